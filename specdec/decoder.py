@@ -21,7 +21,7 @@ is never a hole, the mask is a plain causal one, and the model takes its fastest
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -43,6 +43,8 @@ class DecodeStats:
     accepted: int = 0  # draft tokens the target kept
     target_forwards: int = 0  # including the prefill
     draft_forwards: int = 0  # including the prefill
+    seq_proposed: list[int] = field(default_factory=list)  # per prompt, in input order
+    seq_accepted: list[int] = field(default_factory=list)
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0  # target forwards after the prefill (single-token steps for the baseline)
@@ -252,7 +254,7 @@ def speculative_generate(
     device = target.device
     cache_kind = cache_kind or default_cache_kind(device)
     batch = len(prompts)
-    stats = DecodeStats(batch_size=batch)
+    stats = DecodeStats(batch_size=batch, seq_proposed=[0] * batch, seq_accepted=[0] * batch)
     clock = _Clock(device)
     start = clock.last
     out = _Outputs(batch, max_new_tokens, set(eos_ids))
@@ -324,6 +326,8 @@ def speculative_generate(
             stats.round_tokens += kept
             stats.proposed += n_prop[row]
             stats.accepted += n_acc[row]
+            stats.seq_proposed[seq] += n_prop[row]
+            stats.seq_accepted[seq] += n_acc[row]
             committed = prompt_len[seq] + len(out.tokens[seq])
             all_accepted = n_prop[row] > 0 and n_acc[row] == n_prop[row]
             draft_pending[row] = [d_list[row][n_acc[row] - 1], nxt[row]] if all_accepted else [nxt[row]]

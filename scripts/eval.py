@@ -1,0 +1,156 @@
+"""``draftsmith eval``: measure a (target, draft) pair with the bundled speculative decoder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from specdec.cache import CACHE_KINDS
+from specdec.errors import DraftsmithError
+from specdec.evaluate import evaluate_pair, format_table
+from specdec.loading import (
+    DEFAULT_TARGET,
+    check_compatible,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from specdec.prompts import read_prompts
+from specdec.sampling import SamplingParams
+
+DESCRIPTION = """Measure how much faster a draft makes a target: acceptance rate, mean accepted tokens (tau),
+tokens/s of the target alone and of speculative decoding (interleaved, median over repeats), the
+measured speedup next to the predicted one, and the cost ratios c (draft step / target step) and v
+(verification pass / target step). Greedy runs also check that the output is identical to the target's."""
+
+EPILOG = """prompts file: JSONL, one object per line with "prompt" (text), "messages" (chat) or "turns"
+(list of user turns, as in public multi-turn benchmarks); optional "category" and "id".
+
+example:
+  draftsmith eval --target smollm2-135m-instruct --draft truncate:4 --prompts prompts.jsonl --json out.json"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="draftsmith eval",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help=f"model folder, .gguf file, hub id, or alias (default: {DEFAULT_TARGET})",
+    )
+    p.add_argument(
+        "--draft",
+        required=True,
+        help="draft model folder / .gguf / hub id, 'self' (the target drafts for itself), or "
+        "'truncate:N' / 'truncate:0,1,28' (the target's first N or listed layers, untrained)",
+    )
+    p.add_argument("--prompts", required=True, help="prompts JSONL file")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default: 4)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="top-k filtering when sampling (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering when sampling (1.0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported (default: 3)")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default: 1)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument(
+        "--all-turns",
+        action="store_true",
+        help="multi-turn prompts: run every turn (later turns see the target's earlier answers)",
+    )
+    p.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=None,
+        help="dynamic gamma: stop drafting after a token whose draft probability is below this",
+    )
+    p.add_argument("--draft-greedy", action="store_true", help="the draft proposes its argmax even when sampling")
+    p.add_argument(
+        "--cache", choices=CACHE_KINDS, default=None, help="KV cache kind (default: slot on CPU, static on CUDA)"
+    )
+    p.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also time transformers generate and assisted generation on the same prompts",
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, bf16 on CUDA)")
+    p.add_argument("--json", dest="json_out", default=None, help="write the full report to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def load_draft(spec: str, target, device: torch.device, dtype: torch.dtype):
+    """A draft by spec: a model to load, ``self``, or ``truncate:LAYERS`` of the target."""
+    from distill.draft_init import truncate_target
+
+    if spec == "self":
+        return target
+    if spec.startswith("truncate:"):
+        return truncate_target(target, spec.split(":", 1)[1])
+    return load_model(spec, device, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.gamma < 1:
+        raise DraftsmithError(f"--gamma must be >= 1, got {args.gamma}")
+    if args.max_new_tokens < 1:
+        raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise DraftsmithError(f"--batch-size must be >= 1, got {args.batch_size}")
+    prompts = read_prompts(args.prompts, all_turns=args.all_turns)[: args.limit]
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_model(args.target, device, dtype)
+    draft = load_draft(args.draft, target, device, dtype)
+    if args.draft not in ("self",) and not args.draft.startswith("truncate:"):
+        check_compatible(tokenizer, load_tokenizer(args.draft), target.config.vocab_size, draft.config.vocab_size)
+
+    report = evaluate_pair(
+        target,
+        draft,
+        tokenizer,
+        prompts,
+        gamma=args.gamma,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        eos_ids=eos_token_ids(target, tokenizer),
+        seed=args.seed,
+        repeats=args.repeats,
+        batch_size=args.batch_size,
+        cache_kind=args.cache,
+        confidence_threshold=args.confidence_threshold,
+        draft_greedy=args.draft_greedy,
+        compare_hf=args.compare_hf,
+        progress=not args.no_progress,
+    )
+    report.update(
+        target=args.target,
+        draft=args.draft,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        prompts_file=str(args.prompts),
+    )
+    print(format_table(report))
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        tmp.replace(out)
+        print(f"report written to {out}")
+    return 0

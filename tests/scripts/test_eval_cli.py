@@ -1,0 +1,123 @@
+"""``draftsmith eval`` end to end on tiny models saved to disk."""
+
+import json
+
+import pytest
+
+from scripts.cli import main
+from tests.helpers import save_tiny_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"question_id": i, "category": cat, "turns": [f"w{3 + i} w{10 + i}", "w20 w21"]}
+        for i, cat in enumerate(["writing", "writing", "math", "coding"])
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def run_eval(pair, prompts, tmp_path, *extra):
+    out = tmp_path / "report.json"
+    code = main(
+        [
+            "eval",
+            "--target",
+            str(pair[0]),
+            "--draft",
+            str(pair[1]),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "16",
+            "--repeats",
+            "2",
+            "--json",
+            str(out),
+            "--no-progress",
+            *extra,
+        ]
+    )
+    return code, out
+
+
+def test_greedy_report(pair, prompts, tmp_path, capsys):
+    code, out = run_eval(pair, prompts, tmp_path, "--gamma", "3", "--compare-hf")
+    assert code == 0
+    report = json.loads(out.read_text())
+    for key in (
+        "acceptance_rate",
+        "mean_accepted_tokens",
+        "target_tokens_per_s",
+        "spec_tokens_per_s",
+        "speedup",
+        "cost_ratio_c",
+        "verify_ratio_v",
+        "predicted_speedup",
+        "efficiency",
+        "greedy_match",
+        "per_category",
+        "hf_assisted_tokens_per_s",
+        "hf_generate_tokens_per_s",
+        "batch_size",
+    ):
+        assert key in report, key
+    assert report["greedy_match"] == 1.0
+    assert sorted(report["per_category"]) == ["coding", "math", "writing"]
+    assert 0 < report["acceptance_rate"] < 1
+    assert 1 < report["mean_accepted_tokens"] <= 4
+    assert report["speedup"] == pytest.approx(report["spec_tokens_per_s"] / report["target_tokens_per_s"])
+    assert report["batch_size"] == 1 and report["gamma"] == 3
+    table = capsys.readouterr().out
+    assert "overall" in table and "greedy output identical to the target's: 100% of prompts" in table
+
+
+def test_sampling_batched_all_turns(pair, prompts, tmp_path):
+    code, out = run_eval(
+        pair, prompts, tmp_path, "--temperature", "0.8", "--top-p", "0.9", "--batch-size", "2", "--all-turns"
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["greedy_match"] is None
+    assert report["batch_size"] == 2
+    assert report["prompts"] == 4
+    assert report["proposed"] > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--gamma", "0"], "--gamma must be >= 1"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "1", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--max-new-tokens", "100000"], "exceeds the model's context of 256 tokens"),
+    ],
+)
+def test_bad_input_is_one_clear_line(pair, prompts, tmp_path, capsys, extra, message):
+    code, _ = run_eval(pair, prompts, tmp_path, *extra)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_mismatched_draft_is_refused(tmp_path, prompts, capsys):
+    target, _ = save_tiny_pair(tmp_path / "a", vocab=32)
+    _, other = save_tiny_pair(tmp_path / "b", vocab=24)
+    code = main(["eval", "--target", str(target), "--draft", str(other), "--prompts", str(prompts), "--no-progress"])
+    assert code == 2
+    assert "draft's tokenizer has 24 tokens and the target's has 32" in capsys.readouterr().err
+
+
+def test_unknown_model_path(prompts, capsys):
+    code = main(["eval", "--target", "./no/such/model", "--draft", "self", "--prompts", str(prompts)])
+    assert code == 2
+    assert "model not found: ./no/such/model" in capsys.readouterr().err

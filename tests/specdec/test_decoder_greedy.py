@@ -1,0 +1,138 @@
+"""Greedy speculative decoding is token-for-token the target's greedy decoding (fp32, CPU)."""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from specdec.cache import CACHE_KINDS
+from specdec.decoder import speculative_generate, target_generate
+from tests.helpers import noisy_copy, tiny_llama
+
+PROMPTS = [[0, 5, 7, 9], [0, 3], [0, 8, 8, 8, 8, 8, 2, 11, 4], [0], [0, 9, 9, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab=32, sharpness=8.0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return noisy_copy(target, noise=0.3)
+
+
+def alone(model, prompts, n, **kw):
+    return [target_generate(model, [p], n, **kw)[0][0] for p in prompts]
+
+
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+def test_batch_of_one_matches_target(target, draft, cache_kind, gamma):
+    ref = alone(target, PROMPTS, 24, cache_kind=cache_kind)
+    for prompt, expected in zip(PROMPTS, ref, strict=True):
+        out, stats = speculative_generate(target, draft, [prompt], 24, gamma=gamma, cache_kind=cache_kind)
+        assert out[0] == expected
+        assert len(out[0]) == 24
+        assert stats.new_tokens == 24
+        assert stats.round_tokens == 23  # the first token comes from the prefill
+        assert stats.target_forwards == stats.rounds + 1
+
+
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+def test_ragged_batches_match_each_prompt_alone(target, draft, cache_kind, batch_size, gamma):
+    prompts = PROMPTS[:batch_size]
+    ref = alone(target, prompts, 30, cache_kind=cache_kind)
+    out, stats = speculative_generate(target, draft, prompts, 30, gamma=gamma, cache_kind=cache_kind)
+    assert out == ref
+    assert 0 < stats.accepted < stats.proposed  # a draft of middling quality: ragged acceptance
+    base, _ = target_generate(target, prompts, 30, cache_kind=cache_kind)
+    assert base == ref  # the batched baseline is exact too
+
+
+def test_sequences_finish_at_different_rounds(target, draft):
+    eos = 7
+    ref = alone(target, PROMPTS, 40, eos_ids={eos})
+    lengths = [len(r) for r in ref]
+    assert len(set(lengths)) > 1, "the fixture should make sequences end at different points"
+    out, _ = speculative_generate(target, draft, PROMPTS, 40, gamma=4, eos_ids={eos})
+    assert out == ref
+    for seq in out:
+        assert eos not in seq[:-1]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+def test_target_as_its_own_draft_emits_gamma_plus_one_per_round(target, gamma):
+    rounds = 4
+    n = 1 + rounds * (gamma + 1)  # the prefill's token, then full rounds
+    out, stats = speculative_generate(target, target, PROMPTS[:3], n, gamma=gamma)
+    assert out == alone(target, PROMPTS[:3], n)
+    assert stats.rounds == rounds
+    assert stats.mean_accepted_tokens == gamma + 1
+    assert stats.acceptance_rate == 1.0
+
+
+class FarPositionsInverted(LlamaForCausalLM):
+    """The target's weights, but rows at positions >= 30 get inverted logits (its least likely token)."""
+
+    def forward(self, input_ids, position_ids, **kwargs):
+        out = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        far = position_ids.max(1).values >= 30
+        out.logits = torch.where(far[:, None, None], -out.logits, out.logits)
+        return out
+
+
+def test_one_sequence_accepts_everything_and_another_nothing(target):
+    draft = FarPositionsInverted(target.config).eval()
+    draft.load_state_dict(target.state_dict())
+    short, long = [0, 5, 7, 9], [0] + [3, 4, 5, 6] * 10  # positions 0..16 and 41..53
+    ref = alone(target, [short, long], 12)
+    out, stats = speculative_generate(target, draft, [short, long], 12, gamma=3)
+    assert out == ref
+    assert stats.seq_accepted[0] == stats.seq_proposed[0] > 0
+    assert stats.seq_accepted[1] == 0 and stats.seq_proposed[1] > 0
+
+
+def test_disjoint_draft_accepts_nothing(target):
+    hopeless = noisy_copy(target, noise=0.0)
+    with torch.no_grad():
+        hopeless.lm_head.weight.neg_()  # its argmax is the target's least likely token
+    out, stats = speculative_generate(target, hopeless, PROMPTS[:2], 15, gamma=4)
+    assert out == alone(target, PROMPTS[:2], 15)
+    assert stats.accepted == 0 and stats.proposed > 0
+    assert stats.mean_accepted_tokens == 1.0
+
+
+def test_eos_inside_an_accepted_block_ends_the_output(target):
+    full = alone(target, [PROMPTS[0]], 20)[0]
+    eos = full[5]  # a token the target emits in the middle of a block when it drafts for itself
+    first = full.index(eos)
+    out, stats = speculative_generate(target, target, [PROMPTS[0]], 20, gamma=7, eos_ids={eos})
+    assert out[0] == full[: first + 1]
+    assert stats.new_tokens == first + 1
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3])
+def test_max_new_tokens_smaller_than_gamma(target, draft, max_new):
+    out, stats = speculative_generate(target, draft, PROMPTS[:3], max_new, gamma=7)
+    assert out == alone(target, PROMPTS[:3], max_new)
+    assert all(len(o) == max_new for o in out)
+    out_self, _ = speculative_generate(target, target, PROMPTS[:3], max_new, gamma=7)
+    assert out_self == out
+
+
+def test_dynamic_gamma_stays_exact_and_drafts_less(target, draft):
+    ref = alone(target, PROMPTS, 30)
+    fixed, fixed_stats = speculative_generate(target, draft, PROMPTS, 30, gamma=6)
+    dynamic, dyn_stats = speculative_generate(target, draft, PROMPTS, 30, gamma=6, confidence_threshold=0.9)
+    assert fixed == dynamic == ref
+    assert dyn_stats.proposed < fixed_stats.proposed
+    assert dyn_stats.acceptance_rate > fixed_stats.acceptance_rate
+
+
+def test_bad_arguments(target):
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        speculative_generate(target, target, [[0, 1]], 5, gamma=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        speculative_generate(target, target, [[]], 5)
