@@ -1,0 +1,103 @@
+"""The bundled decoder against transformers on the default target, side by side in one run.
+
+1. target-only decoder vs `generate` (greedy): our baseline must be at least as fast, same tokens;
+2. speculative decoder vs assisted generation, same pair (target + its first 2 layers), same gamma;
+3. the target as its own draft (alpha = 1): tau must be exactly gamma+1, and the measured speedup
+   close to the predicted one (the loop adds little beyond the two models' forwards).
+
+Each prompt runs every contender back to back (interleaved), repeated; ratios are medians of the
+per-repeat ratios. Run: .venv/bin/python benchmarks/decoder_vs_hf.py [--repeats 3 --prompts 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import default_target, hf_generate, median, prompt_ids, save, timed
+
+from distill.draft_init import truncate_target
+from specdec.decoder import speculative_generate, target_generate
+from specdec.evaluate import predicted_speedup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--gamma", type=int, default=4)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    target, tokenizer, eos = default_target()
+    draft = truncate_target(target, 2)
+    prompts = prompt_ids(tokenizer, args.prompts)
+    gamma, n = args.gamma, args.max_new_tokens
+    n_self = 1 + ((n - 1) // (gamma + 1)) * (gamma + 1)  # whole rounds only, so tau is exact
+
+    # Warm-up.
+    hf_generate(target, prompts[0], 8, eos)
+    target_generate(target, prompts[:1], 8, eos_ids=eos)
+    speculative_generate(target, draft, prompts[:1], 8, gamma, eos_ids=eos)
+
+    rows = {k: [] for k in ("base_vs_hf", "spec_vs_assisted", "self_speedup", "self_predicted", "self_tau")}
+    identical = []
+    for rep in range(args.repeats):
+        t = {k: 0.0 for k in ("hf", "base", "assisted", "spec", "self_base", "self_spec")}
+        tok = {k: 0 for k in t}
+        self_stats, self_base_stats = [], []
+        for ids in prompts:
+            hf_out, dt = timed(hf_generate, target, ids, n, eos)
+            t["hf"] += dt
+            tok["hf"] += len(hf_out)
+            (base_out, _), dt = timed(target_generate, target, [ids], n, eos_ids=eos)
+            t["base"] += dt
+            tok["base"] += len(base_out[0])
+            identical.append(base_out[0] == hf_out)
+            assisted_out, dt = timed(hf_generate, target, ids, n, eos, assistant=draft, gamma=gamma)
+            t["assisted"] += dt
+            tok["assisted"] += len(assisted_out)
+            (spec_out, _), dt = timed(speculative_generate, target, draft, [ids], n, gamma, eos_ids=eos)
+            t["spec"] += dt
+            tok["spec"] += len(spec_out[0])
+            identical.append(spec_out[0] == base_out[0])
+            # Self-drafting without EOS, so that every round is a full one.
+            (out, st), dt = timed(target_generate, target, [ids], n_self)
+            t["self_base"] += dt
+            tok["self_base"] += len(out[0])
+            self_base_stats.append(st)
+            (out2, st2), dt = timed(speculative_generate, target, target, [ids], n_self, gamma)
+            t["self_spec"] += dt
+            tok["self_spec"] += len(out2[0])
+            self_stats.append(st2)
+            identical.append(out2[0] == out[0])
+        tps = {k: tok[k] / t[k] for k in t}
+        step = sum(s.verify_time for s in self_base_stats) / sum(s.rounds for s in self_base_stats)
+        draft_steps = sum(s.draft_forwards - 1 for s in self_stats)
+        c = sum(s.draft_time for s in self_stats) / draft_steps / step
+        v = sum(s.verify_time for s in self_stats) / sum(s.rounds for s in self_stats) / step
+        rows["base_vs_hf"].append(tps["base"] / tps["hf"])
+        rows["spec_vs_assisted"].append(tps["spec"] / tps["assisted"])
+        rows["self_speedup"].append(tps["self_spec"] / tps["self_base"])
+        rows["self_predicted"].append(predicted_speedup(1.0, gamma, c, v))
+        rows["self_tau"].append(sum(s.round_tokens for s in self_stats) / sum(s.seq_rounds for s in self_stats))
+        print(f"repeat {rep + 1}: " + ", ".join(f"{k} {tps[k]:.1f} t/s" for k in tps) + f"; c={c:.2f} v={v:.2f}")
+
+    result = {k: median(v) for k, v in rows.items()}
+    result["self_efficiency"] = result["self_speedup"] / result["self_predicted"]
+    result["identical_outputs"] = all(identical)
+    result.update(gamma=gamma, max_new_tokens=n, prompts=len(prompts), repeats=args.repeats,
+                  torch_threads=torch.get_num_threads())
+    print()
+    print(f"target-only decoder / transformers generate:        {result['base_vs_hf']:.2f}x  (goal >= 1.0)")
+    print(f"speculative decoder / transformers assisted (2-layer draft, gamma={gamma}): "
+          f"{result['spec_vs_assisted']:.2f}x  (goal >= 1.2)")
+    print(f"self-draft: tau {result['self_tau']:.2f} (gamma+1 = {gamma + 1}), measured speedup "
+          f"{result['self_speedup']:.3f}, predicted {result['self_predicted']:.3f}, "
+          f"efficiency {result['self_efficiency']:.3f}  (goal >= 0.9)")
+    print(f"greedy outputs identical across all decoders: {result['identical_outputs']}")
+    save("decoder_vs_hf", result)
+
+
+if __name__ == "__main__":
+    main()
