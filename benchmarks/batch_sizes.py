@@ -45,11 +45,18 @@ def main() -> None:
             spec_tps.append(s.tokens_per_s)
             ratios.append(s.tokens_per_s / b.tokens_per_s)
             alphas.append(s.acceptance_rate)
-        result[size] = {"target_tokens_per_s": median(base_tps), "spec_tokens_per_s": median(spec_tps),
-                        "speedup": median(ratios), "acceptance_rate": median(alphas), "identical": identical}
+        result[size] = {
+            "target_tokens_per_s": median(base_tps),
+            "spec_tokens_per_s": median(spec_tps),
+            "speedup": median(ratios),
+            "acceptance_rate": median(alphas),
+            "identical": identical,
+        }
         r = result[size]
-        print(f"batch {size:>2}: target {r['target_tokens_per_s']:7.1f} t/s  spec {r['spec_tokens_per_s']:7.1f} t/s  "
-              f"speedup {r['speedup']:.2f}  alpha {r['acceptance_rate']:.3f}  identical {identical}")
+        print(
+            f"batch {size:>2}: target {r['target_tokens_per_s']:7.1f} t/s  spec {r['spec_tokens_per_s']:7.1f} t/s  "
+            f"speedup {r['speedup']:.2f}  alpha {r['acceptance_rate']:.3f}  identical {identical}"
+        )
     save("batch_sizes", {"gamma": gamma, "max_new_tokens": n, "draft": args.draft or "truncate:2", "sizes": result})
 
 

@@ -86,15 +86,20 @@ def main() -> None:
     result = {k: median(v) for k, v in rows.items()}
     result["self_efficiency"] = result["self_speedup"] / result["self_predicted"]
     result["identical_outputs"] = all(identical)
-    result.update(gamma=gamma, max_new_tokens=n, prompts=len(prompts), repeats=args.repeats,
-                  torch_threads=torch.get_num_threads())
+    result.update(
+        gamma=gamma, max_new_tokens=n, prompts=len(prompts), repeats=args.repeats, torch_threads=torch.get_num_threads()
+    )
     print()
     print(f"target-only decoder / transformers generate:        {result['base_vs_hf']:.2f}x  (goal >= 1.0)")
-    print(f"speculative decoder / transformers assisted (2-layer draft, gamma={gamma}): "
-          f"{result['spec_vs_assisted']:.2f}x  (goal >= 1.2)")
-    print(f"self-draft: tau {result['self_tau']:.2f} (gamma+1 = {gamma + 1}), measured speedup "
-          f"{result['self_speedup']:.3f}, predicted {result['self_predicted']:.3f}, "
-          f"efficiency {result['self_efficiency']:.3f}  (goal >= 0.9)")
+    print(
+        f"speculative decoder / transformers assisted (2-layer draft, gamma={gamma}): "
+        f"{result['spec_vs_assisted']:.2f}x  (goal >= 1.2)"
+    )
+    print(
+        f"self-draft: tau {result['self_tau']:.2f} (gamma+1 = {gamma + 1}), measured speedup "
+        f"{result['self_speedup']:.3f}, predicted {result['self_predicted']:.3f}, "
+        f"efficiency {result['self_efficiency']:.3f}  (goal >= 0.9)"
+    )
     print(f"greedy outputs identical across all decoders: {result['identical_outputs']}")
     save("decoder_vs_hf", result)
 

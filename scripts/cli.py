@@ -8,6 +8,7 @@ import sys
 from specdec.errors import DraftsmithError
 
 COMMANDS = {
+    "distill": ("scripts.distill", "distill the target into a draft with acceptance-oriented losses"),
     "eval": ("scripts.eval", "measure a (target, draft) pair: acceptance rate, tau, real and predicted speedup"),
 }
 

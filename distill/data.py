@@ -1,0 +1,191 @@
+"""Distillation data: what sequences the draft learns on (DistillSpec, Zhou et al. 2023).
+
+- ``text``:   a fixed text or chat dataset; chat rows get the chat template and only assistant
+              tokens count in the loss.
+- ``target``: the target answers a prompt set (batched, KV-cached, sampling configurable); the
+              answers are saved once as an on-disk ``datasets`` dataset and reused.
+
+Examples are ``{"input_ids": [...], "loss_mask": [...]}``: ``loss_mask[t]`` is 1 when the logits
+at position t predict a token the draft will have to propose (position t+1 is a response token).
+The built-in prompt set (``distill/data/prompts.jsonl``, 56 prompts over chat, writing, code, math,
+QA, translation and summarization) makes the default run need no download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec.decoder import target_generate
+from specdec.errors import DraftsmithError
+from specdec.prompts import encode_chat
+from specdec.sampling import SamplingParams
+
+BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
+
+
+def load_rows(source: str, split: str = "train") -> datasets.Dataset:
+    """Rows from ``builtin``, a local json/jsonl/parquet/text file, or a hub dataset name."""
+    if source == "builtin":
+        source = str(BUILTIN_PROMPTS)
+    path = Path(source)
+    suffix = path.suffix.lower()
+    if path.is_file():
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}.get(suffix)
+        if kind is None:
+            raise DraftsmithError(
+                f"{source}: unsupported data file type {suffix!r}; use .jsonl, .json, .parquet or .txt"
+            )
+        try:
+            return datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as err:  # datasets raises many types for a malformed file
+            raise DraftsmithError(f"{source}: could not be read as {kind}: {err}") from err
+    if path.suffix or source.startswith((".", "/", "~")):
+        raise DraftsmithError(f"data file not found: {source}")
+    try:
+        return datasets.load_dataset(source, split=split)
+    except Exception as err:
+        raise DraftsmithError(f"could not load dataset {source!r} (split {split!r}): {err}") from err
+
+
+def prompt_messages(row: dict) -> list[dict]:
+    """The conversation awaiting a reply, from a row with ``messages``, ``prompt``, ``turns`` or ``text``."""
+    if "messages" in row and row["messages"]:
+        messages = [m for m in row["messages"]]
+        while messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        return messages
+    for key in ("prompt", "instruction", "question", "text"):
+        if isinstance(row.get(key), str) and row[key].strip():
+            return [{"role": "user", "content": row[key]}]
+    if isinstance(row.get("turns"), list) and row["turns"]:
+        return [{"role": "user", "content": row["turns"][0]}]
+    return []
+
+
+def chat_example(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int) -> dict | None:
+    """Token ids of a chat with a mask on the positions that predict assistant tokens."""
+    ids = encode_chat_full(tokenizer, messages)
+    target = [0] * len(ids)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(encode_chat(tokenizer, messages[:k]))
+        end = len(encode_chat_full(tokenizer, messages[: k + 1]))
+        for t in range(start, min(end, len(ids))):
+            target[t] = 1
+    return _example(ids, target, max_length)
+
+
+def encode_chat_full(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+
+
+def _example(ids: list[int], is_target: list[int], max_length: int) -> dict | None:
+    """Cut to ``max_length`` and shift the mask: position t counts when token t+1 is a target token."""
+    ids, is_target = ids[:max_length], is_target[:max_length]
+    loss_mask = is_target[1:] + [0]
+    if sum(loss_mask) == 0:
+        return None
+    return {"input_ids": ids, "loss_mask": loss_mask}
+
+
+def text_examples(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> list[dict]:
+    """``text`` mode: plain text rows count every token, chat rows only the assistant's."""
+    examples = []
+    for row in rows:
+        if row.get("messages"):
+            example = chat_example(tokenizer, row["messages"], max_length)
+        elif isinstance(row.get("text"), str):
+            ids = tokenizer(row["text"])["input_ids"]
+            example = _example(ids, [1] * len(ids), max_length)
+        else:
+            raise DraftsmithError("text data rows need a 'text' string or a 'messages' list")
+        if example is not None:
+            examples.append(example)
+    return examples
+
+
+def target_examples(prompts: list[list[int]], responses: list[list[int]], max_length: int) -> list[dict]:
+    examples = []
+    for prompt, response in zip(prompts, responses, strict=True):
+        example = _example(prompt + response, [0] * len(prompt) + [1] * len(response), max_length)
+        if example is not None:
+            examples.append(example)
+    return examples
+
+
+def generate_responses(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    eos_ids: frozenset[int],
+    batch_size: int,
+    seed: int,
+    desc: str = "generating",
+    progress: bool = True,
+) -> list[list[int]]:
+    """Answers of ``model`` to ``prompts`` (token ids), batched and KV-cached."""
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
+    answers: list[list[int]] = [[] for _ in prompts]
+    for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not progress, unit="batch"):
+        chunk = order[start : start + batch_size]
+        outs, _ = target_generate(model, [prompts[i] for i in chunk], max_new_tokens, sampling, eos_ids, generator)
+        for i, out in zip(chunk, outs, strict=True):
+            answers[i] = out
+    return answers
+
+
+def cached_target_responses(
+    cache_root: Path,
+    target_name: str,
+    target: PreTrainedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    eos_ids: frozenset[int],
+    batch_size: int,
+    seed: int,
+    progress: bool = True,
+) -> list[list[int]]:
+    """The target's responses, generated once per (target, prompts, settings) and saved with ``datasets``."""
+    key_src = json.dumps([target_name, prompts, max_new_tokens, sampling.__dict__, sorted(eos_ids), seed])
+    folder = cache_root / f"target-responses-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
+    if (folder / "dataset_info.json").is_file():
+        return datasets.load_from_disk(str(folder))["response_ids"]
+    responses = generate_responses(
+        target, prompts, max_new_tokens, sampling, eos_ids, batch_size, seed, desc="target answers", progress=progress
+    )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        datasets.Dataset.from_dict({"prompt_ids": prompts, "response_ids": responses}).save_to_disk(str(tmp / "d"))
+        os.replace(tmp / "d", folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return responses
+
+
+def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of examples: input_ids (B, T), attention_mask (B, T), loss_mask (B, T) bool."""
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(examples), width, dtype=torch.long)
+    loss = torch.zeros(len(examples), width, dtype=torch.bool)
+    for row, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[row, :n] = torch.tensor(e["input_ids"])
+        attn[row, :n] = 1
+        loss[row, :n] = torch.tensor(e["loss_mask"], dtype=torch.bool)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}

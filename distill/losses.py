@@ -1,0 +1,136 @@
+"""Distillation losses between a draft (student, q) and the target (teacher, p), per token.
+
+Every loss maps logits ``(B, T, V)`` to per-token values ``(B, T)``; ``masked_token_sum`` adds the
+valid ones, and the trainer divides by the *global* count of valid tokens (over gradient
+accumulation and processes), so that every token weighs the same whatever the batch split.
+
+Why these: speculative decoding accepts a draft token with expected probability
+``alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q)`` (Leviathan et al. 2023), so TVD is directly
+``1 - alpha``. DistillSpec (Zhou et al. 2023) compares forward KL, reverse KL, JSD and TVD for
+this purpose; the expected-accepted-length loss optimizes the number of tokens a round keeps.
+Temperatures are applied to both sides' logits before the softmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd", "accepted_length")
+
+
+def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def forward_kl(student_logits, teacher_logits, temperature: float = 1.0) -> torch.Tensor:
+    """KL(p || q) per token: (B, T, V), (B, T, V) -> (B, T). Mode-covering."""
+    log_q, log_p = _log_probs(student_logits, temperature), _log_probs(teacher_logits, temperature)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def reverse_kl(student_logits, teacher_logits, temperature: float = 1.0) -> torch.Tensor:
+    """KL(q || p) per token: (B, T, V), (B, T, V) -> (B, T). Mode-seeking."""
+    log_q, log_p = _log_probs(student_logits, temperature), _log_probs(teacher_logits, temperature)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+def jsd(student_logits, teacher_logits, beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
+    """Generalized Jensen-Shannon divergence per token: (B, T, V) x2 -> (B, T).
+
+    ``beta KL(p || m) + (1 - beta) KL(q || m)`` with ``m = beta p + (1 - beta) q`` (Agarwal et al.
+    2024, GKD). Needs ``0 < beta < 1``; it tends to forward KL as beta -> 0 after rescaling.
+    """
+    if not 0 < beta < 1:
+        raise ValueError(f"jsd beta must be in (0, 1), got {beta}")
+    log_q, log_p = _log_probs(student_logits, temperature), _log_probs(teacher_logits, temperature)
+    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
+    kl_pm = (log_p.exp() * (log_p - log_m)).sum(-1)
+    kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return beta * kl_pm + (1 - beta) * kl_qm
+
+
+def tvd(student_logits, teacher_logits, temperature: float = 1.0) -> torch.Tensor:
+    """Total variation ``0.5 sum_x |p(x) - q(x)|`` per token = ``1 - alpha``: (B, T, V) x2 -> (B, T)."""
+    q = _log_probs(student_logits, temperature).exp()
+    p = _log_probs(teacher_logits, temperature).exp()
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def acceptance_probability(student_logits, teacher_logits, temperature: float = 1.0) -> torch.Tensor:
+    """``alpha = sum_x min(p(x), q(x))`` per token: (B, T, V) x2 -> (B, T)."""
+    q = _log_probs(student_logits, temperature).exp()
+    p = _log_probs(teacher_logits, temperature).exp()
+    return torch.minimum(p, q).sum(-1)
+
+
+def accepted_length(
+    student_logits, teacher_logits, mask: torch.Tensor, gamma: int = 4, temperature: float = 1.0
+) -> torch.Tensor:
+    """Negative expected accepted tokens of a round drafted from each position, over gamma: (B, T).
+
+    With per-position acceptance ``alpha_t`` (independent approximation), a round that drafts
+    positions ``t .. t+gamma-1`` keeps ``sum_{k=1..gamma} prod_{j<k} alpha_{t+j}`` tokens in
+    expectation. The loss is minus that over gamma, so it lies in [-1, 0]; a window stops at the
+    first masked position. mask (B, T) bool.
+    """
+    alpha = acceptance_probability(student_logits, teacher_logits, temperature) * mask  # (B, T)
+    run = torch.ones_like(alpha)
+    expected = torch.zeros_like(alpha)
+    for k in range(gamma):
+        shifted = F.pad(alpha[:, k:], (0, k))  # alpha_{t+k}, 0 past the end
+        run = run * shifted
+        expected = expected + run
+    return -expected / gamma
+
+
+def cross_entropy(student_logits, labels: torch.Tensor) -> torch.Tensor:
+    """Hard-label cross-entropy per token: (B, T, V), (B, T) -> (B, T); labels < 0 give 0."""
+    flat = F.cross_entropy(student_logits.float().flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+    return flat.view(labels.shape) * (labels >= 0)
+
+
+def densify_topk(indices: torch.Tensor, logprobs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Teacher logits from a sparse top-k cache: (B, T, K) ids and log-probs -> (B, T, V) log-probs.
+
+    The top-k tokens keep their probabilities; the mass left over is spread evenly over the other
+    tokens, so that every divergence (reverse KL included) stays finite.
+    """
+    probs = logprobs.float().exp()
+    rest = (1 - probs.sum(-1, keepdim=True)).clamp(min=1e-9)
+    others = vocab_size - indices.shape[-1]
+    dense = (rest / max(others, 1)).expand(*indices.shape[:-1], vocab_size).clone()
+    dense.scatter_(-1, indices.long(), probs)
+    return dense.log()
+
+
+def token_losses(
+    name: str,
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+    jsd_beta: float = 0.5,
+    gamma: int = 4,
+) -> torch.Tensor:
+    """The named distillation loss per token (B, T), zero where ``mask`` is False."""
+    if name == "forward_kl":
+        losses = forward_kl(student_logits, teacher_logits, temperature)
+    elif name == "reverse_kl":
+        losses = reverse_kl(student_logits, teacher_logits, temperature)
+    elif name == "jsd":
+        losses = jsd(student_logits, teacher_logits, jsd_beta, temperature)
+    elif name == "tvd":
+        losses = tvd(student_logits, teacher_logits, temperature)
+    elif name == "accepted_length":
+        losses = accepted_length(student_logits, teacher_logits, mask, gamma, temperature)
+    else:
+        raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+    return losses * mask
+
+
+def masked_token_sum(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of the valid per-token losses (B, T) -> scalar; divide by the global valid count."""
+    return (losses * mask).sum()

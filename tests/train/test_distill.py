@@ -1,0 +1,106 @@
+"""The distillation trainer on configs/tiny.yaml: a real run, checkpoints, resume, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from scripts.cli import main
+from specdec.errors import DraftsmithError
+from train.config import DistillConfig, load_config
+from train.loop import train
+
+TINY = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+
+
+def tiny_cfg(tmp_path, **overrides):
+    items = [f"output_dir={tmp_path / 'run'}"] + [f"{k}={v}" for k, v in overrides.items()]
+    return load_config(DistillConfig, TINY, items)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_tiny_run_learns_and_writes_loadable_checkpoints(tmp_path):
+    run = train(tiny_cfg(tmp_path))
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 5, 10, 15, 20]
+    assert metrics[-1]["acceptance_rate"] > metrics[0]["acceptance_rate"]
+    assert metrics[-1]["tvd"] == pytest.approx(1 - metrics[-1]["acceptance_rate"])
+    assert metrics[-1]["loss"] < metrics[1]["loss"]
+    assert {"lr", "tokens_per_s"} <= metrics[1].keys()
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20"]
+    ckpt = run / "checkpoint-20"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "draftsmith.json"):
+        assert (ckpt / name).is_file(), name
+    draft = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert draft.config.num_hidden_layers == 1
+    assert (run / "config.yaml").read_text().startswith("output_dir:")
+
+
+def test_resume_continues_with_identical_losses(tmp_path):
+    straight = train(tiny_cfg(tmp_path / "a", max_steps=8, save_steps=4, log_steps=4))
+    cfg = tiny_cfg(tmp_path / "b", max_steps=8, save_steps=4, log_steps=4)
+    train(cfg, stop_at_step=6)  # killed after step 6; the last checkpoint is step 4
+    assert [m["step"] for m in read_jsonl(cfg_run(cfg) / "losses.jsonl")] == [1, 2, 3, 4, 5, 6]
+    train(cfg)
+    a = read_jsonl(straight / "losses.jsonl")
+    b = read_jsonl(cfg_run(cfg) / "losses.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5, abs=1e-7)
+    wa = AutoModelForCausalLM.from_pretrained(straight / "checkpoint-8").state_dict()
+    wb = AutoModelForCausalLM.from_pretrained(cfg_run(cfg) / "checkpoint-8").state_dict()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)
+
+
+def cfg_run(cfg):
+    return Path(cfg.output_dir)
+
+
+def test_incomplete_checkpoint_is_skipped(tmp_path, capsys):
+    cfg = tiny_cfg(tmp_path, max_steps=4, save_steps=2, log_steps=2)
+    train(cfg, stop_at_step=4)
+    run = cfg_run(cfg)
+    (run / "checkpoint-4" / "draftsmith.json").unlink()  # as if the save had been cut short
+    with pytest.raises(DraftsmithError, match="different config"):
+        train(tiny_cfg(tmp_path, max_steps=6, save_steps=2, log_steps=2, batch_size=4))
+    train(tiny_cfg(tmp_path, max_steps=6, save_steps=2, log_steps=2))  # resumes from step 2
+    assert "skipping incomplete checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # keep_last 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nonsense_key=1"], "unknown config key 'nonsense_key'"),
+        (["max_steps=abc"], "config field 'max_steps': 'abc' is not a valid int"),
+        (["loss=mse"], "loss must be one of"),
+        (["lr=-1"], "lr must be > 0"),
+        (["dataset=./missing.jsonl"], "data file not found: ./missing.jsonl"),
+    ],
+)
+def test_bad_config_is_one_clear_line(tmp_path, capsys, args, message):
+    code = main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", *args])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and message in err
+
+
+def test_unknown_key_in_yaml_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: 3\nlearning_rate: 0.1\n")
+    assert main(["distill", "--config", str(bad)]) == 2
+    assert f"{bad}: unknown config key 'learning_rate'" in capsys.readouterr().err
+
+
+def test_dataset_without_usable_rows(tmp_path, capsys):
+    data = tmp_path / "few.jsonl"
+    data.write_text('{"prompt": "hi"}\n' * 3)
+    code = main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", f"dataset={data}"])
+    assert code == 2
+    assert "has 3 rows; need more than heldout=8" in capsys.readouterr().err

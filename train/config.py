@@ -1,0 +1,140 @@
+"""The distillation run's config: one dataclass, from YAML plus ``key=value`` overrides, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from distill.losses import LOSSES
+from specdec.errors import DraftsmithError
+
+
+@dataclass
+class DistillConfig:
+    output_dir: str = "runs/distill"  # run folder: checkpoints, metrics.jsonl, config.yaml
+    # models
+    target: str = "smollm2-135m-instruct"  # folder, .gguf, hub id, alias, or "tiny" (a random model from tiny_target)
+    tiny_target: dict = field(default_factory=dict)  # LlamaConfig fields for target "tiny"
+    draft_init: str = "truncate"  # truncate | config
+    draft_layers: str = "2"  # truncate: a count ("2") or indices ("0,1,29")
+    draft_config: dict = field(default_factory=dict)  # config: fields overriding the target's config
+    freeze_embeddings: bool = True  # keep the embeddings and LM head shared with the target frozen
+    # data
+    data: str = "target"  # text | target
+    dataset: str = "builtin"  # builtin, a local .jsonl/.json/.parquet/.txt, or a hub dataset
+    dataset_split: str = "train"
+    heldout: int = 8  # rows kept aside for the held-out acceptance rate
+    max_length: int = 256
+    gen_max_new_tokens: int = 96  # target mode: answer length
+    gen_temperature: float = 0.0
+    gen_top_p: float = 1.0
+    gen_batch_size: int = 8
+    # loss
+    loss: str = "tvd"  # forward_kl | reverse_kl | jsd | tvd | accepted_length
+    loss_temperature: float = 1.0
+    jsd_beta: float = 0.5
+    loss_gamma: int = 4  # accepted_length: positions per window
+    ce_weight: float = 0.0  # weight of hard-label cross-entropy mixed in
+    # optimization
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 5
+    max_steps: int = 100
+    batch_size: int = 8  # sequences per process per micro-batch
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    seed: int = 0
+    # bookkeeping
+    save_steps: int = 50
+    keep_last: int = 3
+    log_steps: int = 10
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.draft_init in ("truncate", "config"), "draft_init must be truncate or config"),
+            (self.data in ("text", "target"), "data must be text or target"),
+            (self.loss in LOSSES, f"loss must be one of {', '.join(LOSSES)}"),
+            (self.max_steps >= 1, "max_steps must be >= 1"),
+            (self.save_steps >= 1, "save_steps must be >= 1"),
+            (self.keep_last >= 1, "keep_last must be >= 1"),
+            (self.log_steps >= 1, "log_steps must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.grad_accum >= 1, "grad_accum must be >= 1"),
+            (self.lr > 0, "lr must be > 0"),
+            (self.max_length >= 8, "max_length must be >= 8"),
+            (self.loss_temperature > 0, "loss_temperature must be > 0"),
+            (0 < self.jsd_beta < 1, "jsd_beta must be in (0, 1)"),
+            (self.loss_gamma >= 1, "loss_gamma must be >= 1"),
+            (0 <= self.ce_weight <= 1, "ce_weight must be in [0, 1]"),
+            (self.mixed_precision in ("no", "bf16", "fp16"), "mixed_precision must be no, bf16 or fp16"),
+            (self.heldout >= 1, "heldout must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise DraftsmithError(f"config: {message}")
+
+
+def _coerce(name: str, kind, value):
+    """Turn a YAML value or a command-line string into the field's type, or say which field is wrong."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if kind is dict:
+            value = yaml.safe_load(value) if isinstance(value, str) else value
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError) as err:
+        raise DraftsmithError(f"config field {name!r}: {value!r} is not a valid {kind.__name__}") from err
+
+
+def load_config(cls, path: str | None, overrides: list[str]):
+    """Build ``cls`` from an optional YAML file and ``key=value`` overrides; unknown keys are refused."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values: dict = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise DraftsmithError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise DraftsmithError(f"{path}: not valid YAML: {err}") from err
+        if not isinstance(loaded, dict):
+            raise DraftsmithError(f"{path}: the top level must be a mapping of config keys")
+        for key, value in loaded.items():
+            if key not in fields:
+                raise DraftsmithError(f"{path}: unknown config key {key!r} (known: {', '.join(sorted(fields))})")
+            values[key] = value
+    for item in overrides:
+        if "=" not in item:
+            raise DraftsmithError(f"override {item!r} must look like key=value")
+        key, value = item.split("=", 1)
+        if key not in fields:
+            raise DraftsmithError(f"unknown config key {key!r} in override (known: {', '.join(sorted(fields))})")
+        values[key] = value
+    return cls(**{k: _coerce(k, hints[k], v) for k, v in values.items()})
+
+
+def save_config(config, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,317 @@
+"""The distillation loop: setup, train, save, cleanup, read top to bottom.
+
+Runs on one CPU, one GPU or N processes under ``accelerate launch`` / ``torchrun``. The teacher
+(target) is frozen and is not wrapped by accelerate; only the draft is trained. Every loss is a
+sum over valid tokens divided by the global count of valid tokens in the optimizer step (all
+micro-batches of the accumulation window, all processes), so each token weighs the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+import torchmetrics
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from distill import data as ddata
+from distill.draft_init import count_parameters, truncate_target
+from distill.losses import acceptance_probability, cross_entropy, token_losses
+from distill.tiny import tiny_target
+from specdec.errors import DraftsmithError
+from specdec.loading import check_compatible, draftsmith_home, eos_token_ids, load_model, load_tokenizer, resolve_device
+from specdec.prompts import encode_chat
+from specdec.sampling import SamplingParams
+from train import checkpoint
+from train.config import DistillConfig, save_config
+
+
+def print0(accelerator: Accelerator, *args) -> None:
+    if accelerator.is_main_process:
+        tqdm.write(" ".join(str(a) for a in args))
+
+
+def build_models(cfg: DistillConfig, device: torch.device):
+    """(target, tokenizer, draft): the frozen teacher and the trainable draft."""
+    if cfg.target == "tiny":
+        target, tokenizer = tiny_target(seed=cfg.seed, **cfg.tiny_target)
+        target = target.to(device)
+    else:
+        tokenizer = load_tokenizer(cfg.target)
+        target = load_model(cfg.target, device, torch.float32)
+    target.requires_grad_(False).eval()
+    if cfg.draft_init == "truncate":
+        draft = truncate_target(target, cfg.draft_layers)
+    else:
+        config = target.config.__class__(**(target.config.to_dict() | cfg.draft_config))
+        draft = type(target)(config).to(device)
+        if config.hidden_size == target.config.hidden_size:  # share the token embeddings and head
+            draft.model.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+            draft.lm_head.weight.data.copy_(target.lm_head.weight)
+    check_compatible(tokenizer, tokenizer, target.config.vocab_size, draft.config.vocab_size)
+    draft.requires_grad_(True).train()
+    if cfg.freeze_embeddings:
+        draft.get_input_embeddings().requires_grad_(False)
+        draft.get_output_embeddings().requires_grad_(False)
+    return target, tokenizer, draft
+
+
+def build_examples(cfg: DistillConfig, target, tokenizer, accelerator: Accelerator) -> tuple[list[dict], list[dict]]:
+    """(train examples, held-out examples)."""
+    rows = ddata.load_rows(cfg.dataset, cfg.dataset_split)
+    if len(rows) <= cfg.heldout:
+        raise DraftsmithError(f"dataset {cfg.dataset} has {len(rows)} rows; need more than heldout={cfg.heldout}")
+    rows = rows.shuffle(seed=cfg.seed)
+    context = target.config.max_position_embeddings
+    if cfg.data == "text":
+        examples = ddata.text_examples(rows, tokenizer, cfg.max_length)
+    else:
+        messages = [ddata.prompt_messages(r) for r in rows]
+        prompts = [encode_chat(tokenizer, m) for m in messages if m]
+        too_long = [len(p) for p in prompts if len(p) + cfg.gen_max_new_tokens > min(cfg.max_length, context)]
+        if too_long:
+            raise DraftsmithError(
+                f"{len(too_long)} prompts are too long: the longest has {max(too_long)} tokens, and with "
+                f"gen_max_new_tokens={cfg.gen_max_new_tokens} exceeds max_length={cfg.max_length} / context {context}"
+            )
+        sampling = SamplingParams(cfg.gen_temperature, 0, cfg.gen_top_p)
+        with accelerator.main_process_first():  # the main process generates, the others read the saved set
+            responses = ddata.cached_target_responses(
+                draftsmith_home() / "data",
+                cfg.target if cfg.target != "tiny" else f"tiny-{cfg.seed}",
+                target,
+                prompts,
+                cfg.gen_max_new_tokens,
+                sampling,
+                eos_token_ids(target, tokenizer),
+                cfg.gen_batch_size,
+                cfg.seed,
+                progress=accelerator.is_main_process,
+            )
+        examples = ddata.target_examples(prompts, responses, cfg.max_length)
+    if len(examples) <= cfg.heldout:
+        raise DraftsmithError(
+            f"only {len(examples)} usable examples (rows with tokens to learn); need more than heldout={cfg.heldout}"
+        )
+    return examples[cfg.heldout :], examples[: cfg.heldout]
+
+
+def distill_step_loss(cfg: DistillConfig, draft, target, batch: dict, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over valid tokens of the configured loss for one micro-batch (not yet normalized)."""
+    with torch.no_grad():
+        teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    losses = token_losses(cfg.loss, student, teacher, mask, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma)
+    if cfg.ce_weight:
+        labels = torch.where(mask, batch["input_ids"].roll(-1, dims=1), -100)
+        losses = (1 - cfg.ce_weight) * losses + cfg.ce_weight * cross_entropy(student, labels)
+    return losses.sum()
+
+
+@torch.no_grad()
+def heldout_metrics(draft, target, loader, accelerator: Accelerator) -> dict:
+    """Mean acceptance probability sum_x min(p, q) and TVD over held-out tokens, synced across processes."""
+    alpha = torchmetrics.MeanMetric().to(accelerator.device)
+    was_training = draft.training
+    draft.eval()
+    for batch in loader:
+        mask = batch["loss_mask"]
+        p = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        q = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        a = acceptance_probability(q, p)
+        alpha.update(a[mask], weight=torch.ones_like(a[mask]))
+    draft.train(was_training)
+    value = float(alpha.compute())
+    return {"acceptance_rate": value, "tvd": 1 - value}
+
+
+def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
+    """Run (or resume) the distillation described by ``cfg``; return the run folder.
+
+    stop_at_step: end this process after that step, as an interrupted run would (for time-boxed
+    jobs and the resume tests); running again resumes from the last checkpoint.
+    """
+    # ---- setup ---------------------------------------------------------------------------------
+    device = resolve_device(None if cfg.device == "auto" else cfg.device)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=device.type == "cpu")
+    set_seed(cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    resume_from = _check_resume(run_dir, cfg)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    target, tokenizer, draft = build_models(cfg, accelerator.device)
+    train_examples, heldout_examples = build_examples(cfg, target, tokenizer, accelerator)
+    print0(
+        accelerator,
+        f"draft: {count_parameters(draft) / 1e6:.2f} M parameters "
+        f"({count_parameters(draft, trainable_only=True) / 1e6:.2f} M trainable); target: "
+        f"{count_parameters(target) / 1e6:.2f} M; {len(train_examples)} training sequences",
+    )
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    loader = DataLoader(
+        train_examples,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        drop_last=False,
+        collate_fn=lambda b: ddata.collate(b, pad),
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    heldout = DataLoader(heldout_examples, batch_size=cfg.batch_size, collate_fn=lambda b: ddata.collate(b, pad))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    draft, optimizer, loader, heldout, scheduler = accelerator.prepare(draft, optimizer, loader, heldout, scheduler)
+
+    step = 0
+    if resume_from is not None:
+        step = resume_from[0]
+        accelerator.load_state(str(resume_from[1] / "state"))
+        if accelerator.is_main_process:  # records past the checkpoint will be written again
+            for name in ("metrics.jsonl", "losses.jsonl"):
+                _truncate_log(run_dir / name, step)
+        print0(accelerator, f"resuming from {resume_from[1]} (step {step})")
+    elif accelerator.is_main_process:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        (run_dir / "losses.jsonl").unlink(missing_ok=True)
+    if step == 0 and accelerator.is_main_process:
+        _log(run_dir, {"step": 0, **heldout_metrics(draft, target, heldout, accelerator)})
+
+    # ---- train ---------------------------------------------------------------------------------
+    steps_per_epoch = max(1, len(loader) // cfg.grad_accum)
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="distill", disable=not accelerator.is_main_process)
+    window_loss, window_tokens, t0 = 0.0, 0, time.perf_counter()
+    while step < cfg.max_steps:
+        epoch, done_in_epoch = divmod(step, steps_per_epoch)
+        # The same data order as an uninterrupted run: reseed the sampler per epoch, skip what was done.
+        loader.set_epoch(epoch)
+        batches = iter(
+            accelerator.skip_first_batches(loader, done_in_epoch * cfg.grad_accum) if done_in_epoch else loader
+        )
+        for _ in range(done_in_epoch, steps_per_epoch):
+            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            local_tokens = sum(int(b["loss_mask"].sum()) for b in micro)
+            global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum"))
+            step_loss = 0.0
+            for i, batch in enumerate(micro):
+                # DDP averages gradients over processes, hence the factor num_processes.
+                scale = accelerator.num_processes / max(global_tokens, 1)
+                sync = i == len(micro) - 1
+                with accelerator.no_sync(draft) if not sync else contextlib.nullcontext():
+                    loss = distill_step_loss(cfg, draft, target, batch, batch["loss_mask"]) * scale
+                    accelerator.backward(loss)
+                step_loss += float(loss.detach()) / accelerator.num_processes
+            accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            step_loss = float(accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), "sum"))
+            window_loss += step_loss
+            window_tokens += global_tokens
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_loss:.4f}")
+            if accelerator.is_main_process:
+                _log(run_dir / "losses.jsonl", {"step": step, "loss": step_loss}, append_name=False)
+            if step % cfg.log_steps == 0 or step == cfg.max_steps:
+                metrics = heldout_metrics(draft, target, heldout, accelerator)
+                elapsed = time.perf_counter() - t0
+                record = {
+                    "step": step,
+                    "loss": window_loss / (step % cfg.log_steps or cfg.log_steps),
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens_per_s": window_tokens / elapsed,
+                    **metrics,
+                }
+                if accelerator.is_main_process:
+                    _log(run_dir, record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", alpha=f"{metrics['acceptance_rate']:.3f}")
+                window_loss, window_tokens, t0 = 0.0, 0, time.perf_counter()
+            if step % cfg.save_steps == 0 or step == cfg.max_steps:
+                _save(accelerator, cfg, run_dir, step, draft, tokenizer, target)
+            if step >= cfg.max_steps or step == stop_at_step:
+                break
+        if step == stop_at_step:
+            break
+
+    # ---- cleanup -------------------------------------------------------------------------------
+    bar.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return run_dir
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    if path.is_file():
+        keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
+def _log(path: Path, record: dict, append_name: bool = True) -> None:
+    file = path / "metrics.jsonl" if append_name else path
+    with file.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _save(accelerator: Accelerator, cfg: DistillConfig, run_dir: Path, step: int, draft, tokenizer, target) -> None:
+    """Write checkpoint-{step}: the draft as a model folder, the training state, then the marker."""
+    accelerator.wait_for_everyone()
+    tmp = checkpoint.begin(run_dir, step) if accelerator.is_main_process else run_dir / f".checkpoint-{step}.tmp"
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / "state"))
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(draft)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        info = {"step": step, "target": cfg.target, "draft_init": cfg.draft_init, "config": dataclasses.asdict(cfg)}
+        checkpoint.commit(run_dir, tmp, step, info, cfg.keep_last)
+    accelerator.wait_for_everyone()
+
+
+_RESUME_KEYS = (
+    "target",
+    "tiny_target",
+    "draft_init",
+    "draft_layers",
+    "draft_config",
+    "freeze_embeddings",
+    "data",
+    "dataset",
+    "max_length",
+    "batch_size",
+    "grad_accum",
+    "seed",
+    "heldout",
+)
+
+
+def _check_resume(run_dir: Path, cfg: DistillConfig) -> tuple[int, Path] | None:
+    """The last complete checkpoint to resume from, after checking the run was made with a compatible config."""
+    found = checkpoint.checkpoint_dirs(run_dir) if run_dir.is_dir() else []
+    if not found:
+        return None
+    step, path = found[-1]
+    saved = json.loads((path / checkpoint.MARKER).read_text())["config"]
+    current = dataclasses.asdict(cfg)
+    diff = [k for k in _RESUME_KEYS if saved.get(k) != current[k]]
+    if diff:
+        changes = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in diff)
+        raise DraftsmithError(
+            f"{run_dir} holds a run made with a different config ({changes}); "
+            "use another output_dir, or the same settings to resume"
+        )
+    if step >= cfg.max_steps:
+        raise DraftsmithError(
+            f"{run_dir} already reached step {step} (max_steps={cfg.max_steps}); raise max_steps "
+            "to train further or use another output_dir"
+        )
+    return step, path
