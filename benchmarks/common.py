@@ -36,21 +36,6 @@ def median(xs):
     return statistics.median(xs)
 
 
-def hf_generate(model, ids, max_new_tokens, eos, assistant=None, gamma=4):
-    kwargs = {
-        "max_new_tokens": max_new_tokens,
-        "do_sample": False,
-        "eos_token_id": sorted(eos),
-        "pad_token_id": sorted(eos)[0],
-    }
-    if assistant is not None:
-        kwargs.update(assistant_model=assistant, num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant")
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
-    return out[0, len(ids) :].tolist()
-
-
 def save(name: str, result: dict) -> None:
     out = Path(__file__).parent / "results" / f"{name}.json"
     out.parent.mkdir(exist_ok=True)

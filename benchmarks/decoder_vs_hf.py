@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import default_target, hf_generate, median, prompt_ids, save, timed
+from common import default_target, median, prompt_ids, save, timed
 
 from distill.draft_init import truncate_target
 from specdec.decoder import speculative_generate, target_generate
-from specdec.evaluate import predicted_speedup
+from specdec.evaluate import hf_generate, predicted_speedup
+from specdec.sampling import SamplingParams
+
+GREEDY = SamplingParams()
 
 
 def main() -> None:
@@ -36,7 +39,7 @@ def main() -> None:
     n_self = 1 + ((n - 1) // (gamma + 1)) * (gamma + 1)  # whole rounds only, so tau is exact
 
     # Warm-up.
-    hf_generate(target, prompts[0], 8, eos)
+    hf_generate(target, prompts[0], 8, GREEDY, eos, None, gamma)
     target_generate(target, prompts[:1], 8, eos_ids=eos)
     speculative_generate(target, draft, prompts[:1], 8, gamma, eos_ids=eos)
 
@@ -47,14 +50,14 @@ def main() -> None:
         tok = {k: 0 for k in t}
         self_stats, self_base_stats = [], []
         for ids in prompts:
-            hf_out, dt = timed(hf_generate, target, ids, n, eos)
+            hf_out, dt = timed(hf_generate, target, ids, n, GREEDY, eos, None, gamma)
             t["hf"] += dt
             tok["hf"] += len(hf_out)
             (base_out, _), dt = timed(target_generate, target, [ids], n, eos_ids=eos)
             t["base"] += dt
             tok["base"] += len(base_out[0])
             identical.append(base_out[0] == hf_out)
-            assisted_out, dt = timed(hf_generate, target, ids, n, eos, assistant=draft, gamma=gamma)
+            assisted_out, dt = timed(hf_generate, target, ids, n, GREEDY, eos, draft, gamma)
             t["assisted"] += dt
             tok["assisted"] += len(assisted_out)
             (spec_out, _), dt = timed(speculative_generate, target, draft, [ids], n, gamma, eos_ids=eos)

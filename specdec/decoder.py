@@ -375,8 +375,7 @@ def _draft(
         logits = stream.forward(step_in, step_valid, logits_to_keep=1)[:, -1]  # (B, V)
         if sampling.greedy or draft_greedy:
             token = logits.argmax(-1)
-            if not sampling.greedy:
-                probs.append(process_logits(logits, sampling))  # only for the confidence test below
+            q = None  # q is one-hot at the argmax; the verifier needs no distribution
         else:
             q = process_logits(logits, sampling)
             token = sample(q, generator)
@@ -384,13 +383,12 @@ def _draft(
         drafted.append(token)
         n_proposed += active.long()
         if confidence_threshold is not None:
-            q_now = probs[-1] if probs else logits.float().softmax(-1)
-            active &= q_now.max(-1).values >= confidence_threshold
+            if q is None:  # confidence is judged on the processed distribution, as when sampling
+                q = logits.float().softmax(-1) if sampling.greedy else process_logits(logits, sampling)
+            active &= q.max(-1).values >= confidence_threshold
         active &= budget > i + 1
         if not bool(active.any()):
             break
         # The last drafted token is fed only if another one is to be drafted after it.
         step_in, step_valid = token[:, None], active[:, None]
-    if draft_greedy and not sampling.greedy:
-        probs = []
     return drafted, probs, n_proposed

@@ -66,7 +66,7 @@ def _batches(prompts: list[Prompt], batch_size: int) -> list[list[int]]:
     return batches
 
 
-def _hf_generate(
+def hf_generate(
     target: PreTrainedModel,
     ids: list[int],
     max_new_tokens: int,
@@ -74,8 +74,8 @@ def _hf_generate(
     eos_ids: frozenset[int],
     assistant: PreTrainedModel | None,
     gamma: int,
-) -> int:
-    """Run ``transformers`` ``generate`` (assisted when ``assistant`` is given); return new tokens."""
+) -> list[int]:
+    """Run ``transformers`` ``generate`` (assisted when ``assistant`` is given); return the new tokens."""
     kwargs: dict = {
         "max_new_tokens": max_new_tokens,
         "eos_token_id": sorted(eos_ids),
@@ -92,7 +92,7 @@ def _hf_generate(
     x = torch.tensor([ids], device=target.device)
     with torch.inference_mode():
         out = target.generate(x, attention_mask=torch.ones_like(x), **kwargs)
-    return out.shape[1] - len(ids)
+    return out[0, len(ids) :].tolist()
 
 
 def evaluate_pair(
@@ -191,9 +191,8 @@ def evaluate_pair(
                     for row in range(len(ids)):
                         for name, assistant in (("generate", None), ("assisted", draft)):
                             start = time.perf_counter()
-                            hf[name].tokens += _hf_generate(
-                                target, ids[row], max_new_tokens, sampling, eos_ids, assistant, gamma
-                            )
+                            new = hf_generate(target, ids[row], max_new_tokens, sampling, eos_ids, assistant, gamma)
+                            hf[name].tokens += len(new)
                             hf[name].seconds += time.perf_counter() - start
                 bar.update(1)
                 bar.set_postfix(speedup=f"{tally['spec'].tokens_per_s / max(tally['target'].tokens_per_s, 1e-9):.2f}")

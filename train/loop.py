@@ -184,7 +184,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         (run_dir / "losses.jsonl").unlink(missing_ok=True)
     if step == 0 and accelerator.is_main_process:
-        _log(run_dir, {"step": 0, **heldout_metrics(draft, target, heldout, accelerator)})
+        _log(run_dir / "metrics.jsonl", {"step": 0, **heldout_metrics(draft, target, heldout, accelerator)})
 
     # ---- train ---------------------------------------------------------------------------------
     steps_per_epoch = max(1, len(loader) // cfg.grad_accum)
@@ -221,7 +221,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
             bar.update(1)
             bar.set_postfix(loss=f"{step_loss:.4f}")
             if accelerator.is_main_process:
-                _log(run_dir / "losses.jsonl", {"step": step, "loss": step_loss}, append_name=False)
+                _log(run_dir / "losses.jsonl", {"step": step, "loss": step_loss})
             if step % cfg.log_steps == 0 or step == cfg.max_steps:
                 metrics = heldout_metrics(draft, target, heldout, accelerator)
                 elapsed = time.perf_counter() - t0
@@ -233,7 +233,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
                     **metrics,
                 }
                 if accelerator.is_main_process:
-                    _log(run_dir, record)
+                    _log(run_dir / "metrics.jsonl", record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", alpha=f"{metrics['acceptance_rate']:.3f}")
                 window_loss, window_tokens, t0 = 0.0, 0, time.perf_counter()
             if step % cfg.save_steps == 0 or step == cfg.max_steps:
@@ -256,8 +256,8 @@ def _truncate_log(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in keep))
 
 
-def _log(path: Path, record: dict, append_name: bool = True) -> None:
-    file = path / "metrics.jsonl" if append_name else path
+def _log(file: Path, record: dict) -> None:
+    """Append one JSON record to a .jsonl file."""
     with file.open("a") as f:
         f.write(json.dumps(record) + "\n")
 
