@@ -34,6 +34,7 @@ class DistillConfig:
     gen_temperature: float = 0.0
     gen_top_p: float = 1.0
     gen_batch_size: int = 8
+    gen_samples: int = 1  # target mode: answers per training prompt (needs gen_temperature > 0 when > 1)
     # loss
     loss: str = "tvd"  # forward_kl | reverse_kl | jsd | tvd | accepted_length
     loss_temperature: float = 1.0
@@ -75,6 +76,11 @@ class DistillConfig:
             (0 <= self.ce_weight <= 1, "ce_weight must be in [0, 1]"),
             (self.mixed_precision in ("no", "bf16", "fp16"), "mixed_precision must be no, bf16 or fp16"),
             (self.heldout >= 1, "heldout must be >= 1"),
+            (self.gen_samples >= 1, "gen_samples must be >= 1"),
+            (
+                self.gen_samples == 1 or self.gen_temperature > 0,
+                "gen_samples > 1 needs gen_temperature > 0 (greedy answers would all be the same)",
+            ),
         ]
         for ok, message in checks:
             if not ok:

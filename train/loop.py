@@ -65,43 +65,66 @@ def build_models(cfg: DistillConfig, device: torch.device):
 
 
 def build_examples(cfg: DistillConfig, target, tokenizer, accelerator: Accelerator) -> tuple[list[dict], list[dict]]:
-    """(train examples, held-out examples)."""
+    """(train examples, held-out examples). The first ``heldout`` rows (after a seeded shuffle) are held out.
+
+    In ``target`` mode the held-out prompts get the target's greedy answers (what greedy decoding
+    will face), the training prompts ``gen_samples`` answers each with the generation settings.
+    """
     rows = ddata.load_rows(cfg.dataset, cfg.dataset_split)
     if len(rows) <= cfg.heldout:
         raise DraftsmithError(f"dataset {cfg.dataset} has {len(rows)} rows; need more than heldout={cfg.heldout}")
     rows = rows.shuffle(seed=cfg.seed)
-    context = target.config.max_position_embeddings
+    held_rows, train_rows = rows.select(range(cfg.heldout)), rows.select(range(cfg.heldout, len(rows)))
     if cfg.data == "text":
-        examples = ddata.text_examples(rows, tokenizer, cfg.max_length)
+        held = ddata.text_examples(held_rows, tokenizer, cfg.max_length)
+        train_examples = ddata.text_examples(train_rows, tokenizer, cfg.max_length)
     else:
-        messages = [ddata.prompt_messages(r) for r in rows]
-        prompts = [encode_chat(tokenizer, m) for m in messages if m]
-        too_long = [len(p) for p in prompts if len(p) + cfg.gen_max_new_tokens > min(cfg.max_length, context)]
+        held_prompts, train_prompts = _encode_prompts(cfg, target, tokenizer, held_rows, train_rows)
+        train_prompts = [p for p in train_prompts for _ in range(cfg.gen_samples)]
+        greedy = SamplingParams()
+        sampling = SamplingParams(cfg.gen_temperature, 0, cfg.gen_top_p)
+        name = cfg.target if cfg.target != "tiny" else f"tiny-{cfg.seed}-{sorted(cfg.tiny_target.items())}"
+        eos = eos_token_ids(target, tokenizer)
+        with accelerator.main_process_first():  # the main process generates, the others read the saved sets
+            answers = [
+                ddata.cached_target_responses(
+                    draftsmith_home() / "data",
+                    name,
+                    target,
+                    prompts,
+                    cfg.gen_max_new_tokens,
+                    params,
+                    eos,
+                    cfg.gen_batch_size,
+                    cfg.seed,
+                    progress=accelerator.is_main_process,
+                )
+                for prompts, params in ((held_prompts, greedy), (train_prompts, sampling))
+            ]
+        held = ddata.target_examples(held_prompts, answers[0], cfg.max_length)
+        train_examples = ddata.target_examples(train_prompts, answers[1], cfg.max_length)
+    if not held or not train_examples:
+        raise DraftsmithError(
+            f"no usable {'held-out' if not held else 'training'} examples in {cfg.dataset} (rows with tokens to learn)"
+        )
+    return train_examples, held
+
+
+def _encode_prompts(cfg: DistillConfig, target, tokenizer, *row_sets) -> list[list[list[int]]]:
+    """Chat-encoded prompts of each row set; prompts that leave no room for the answer are refused."""
+    context = min(cfg.max_length, target.config.max_position_embeddings)
+    encoded = []
+    for rows in row_sets:
+        prompts = [encode_chat(tokenizer, m) for m in (ddata.prompt_messages(r) for r in rows) if m]
+        too_long = [len(p) for p in prompts if len(p) + cfg.gen_max_new_tokens > context]
         if too_long:
             raise DraftsmithError(
-                f"{len(too_long)} prompts are too long: the longest has {max(too_long)} tokens, and with "
-                f"gen_max_new_tokens={cfg.gen_max_new_tokens} exceeds max_length={cfg.max_length} / context {context}"
+                f"{len(too_long)} prompts are too long: the longest has {max(too_long)} tokens, which with "
+                f"gen_max_new_tokens={cfg.gen_max_new_tokens} exceeds max_length / context ({context}); raise "
+                "max_length or lower gen_max_new_tokens"
             )
-        sampling = SamplingParams(cfg.gen_temperature, 0, cfg.gen_top_p)
-        with accelerator.main_process_first():  # the main process generates, the others read the saved set
-            responses = ddata.cached_target_responses(
-                draftsmith_home() / "data",
-                cfg.target if cfg.target != "tiny" else f"tiny-{cfg.seed}",
-                target,
-                prompts,
-                cfg.gen_max_new_tokens,
-                sampling,
-                eos_token_ids(target, tokenizer),
-                cfg.gen_batch_size,
-                cfg.seed,
-                progress=accelerator.is_main_process,
-            )
-        examples = ddata.target_examples(prompts, responses, cfg.max_length)
-    if len(examples) <= cfg.heldout:
-        raise DraftsmithError(
-            f"only {len(examples)} usable examples (rows with tokens to learn); need more than heldout={cfg.heldout}"
-        )
-    return examples[cfg.heldout :], examples[: cfg.heldout]
+        encoded.append(prompts)
+    return encoded
 
 
 def distill_step_loss(cfg: DistillConfig, draft, target, batch: dict, mask: torch.Tensor) -> torch.Tensor:
