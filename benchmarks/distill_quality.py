@@ -43,8 +43,12 @@ def measure(draft, target, held: list[dict], eos) -> dict:
         count += int(mask.sum())
         prompts.append(ex["input_ids"][: int(mask.nonzero()[0]) + 1])
     _, stats = speculative_generate(target, draft, prompts, 64, gamma=4, eos_ids=eos)
-    return {"sum_min_pq": mins / count, "greedy_agreement": agree / count, "decoder_alpha": stats.acceptance_rate,
-            "decoder_tau": stats.mean_accepted_tokens}
+    return {
+        "sum_min_pq": mins / count,
+        "greedy_agreement": agree / count,
+        "decoder_alpha": stats.acceptance_rate,
+        "decoder_tau": stats.mean_accepted_tokens,
+    }
 
 
 def main() -> None:
@@ -56,10 +60,19 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     for loss in args.losses.split(","):
-        cfg = load_config(DistillConfig, str(CONFIG), [
-            f"output_dir={args.out}/{loss}", f"loss={loss}", f"lr={args.lr}", f"max_steps={args.steps}",
-            f"save_steps={args.steps}", "log_steps=25", "keep_last=1",
-        ])
+        cfg = load_config(
+            DistillConfig,
+            str(CONFIG),
+            [
+                f"output_dir={args.out}/{loss}",
+                f"loss={loss}",
+                f"lr={args.lr}",
+                f"max_steps={args.steps}",
+                f"save_steps={args.steps}",
+                "log_steps=25",
+                "keep_last=1",
+            ],
+        )
         target, tokenizer, _ = build_models(cfg, torch.device("cpu"))
         _, held = build_examples(cfg, target, tokenizer, Accelerator(cpu=True))
         eos = eos_token_ids(target, tokenizer)
@@ -69,8 +82,7 @@ def main() -> None:
         minutes = (time.perf_counter() - start) / 60
         draft = load_model(str(run / f"checkpoint-{args.steps}"), torch.device("cpu"), torch.float32)
         after = measure(draft, target, held, eos)
-        results[loss] = {"before": before, "after": after, "train_minutes": minutes, "steps": args.steps,
-                         "lr": args.lr}
+        results[loss] = {"before": before, "after": after, "train_minutes": minutes, "steps": args.steps, "lr": args.lr}
         print(f"{loss}: {args.steps} steps in {minutes:.1f} min")
         for key in before:
             print(f"  {key:<18} {before[key]:.3f} -> {after[key]:.3f}")

@@ -62,3 +62,46 @@ def truncate_target(target: PreTrainedModel, layers: int | str | Sequence[int]) 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def new_config_draft(target: PreTrainedModel, overrides: dict) -> PreTrainedModel:
+    """A freshly initialized model of the target's architecture and tokenizer, with config ``overrides``
+    (e.g. fewer layers, a smaller hidden size). When the hidden size is unchanged the token embeddings
+    and LM head are copied from the target, so the draft starts from the target's vocabulary geometry."""
+    fields = target.config.to_dict() | overrides
+    if fields["vocab_size"] != target.config.vocab_size:
+        raise DraftsmithError("draft_config may not change vocab_size: the draft must share the target's tokenizer")
+    config = type(target.config)(**fields)
+    draft = type(target)(config).to(dtype=target.dtype, device=target.device)
+    if config.hidden_size == target.config.hidden_size:
+        draft.get_input_embeddings().weight.data.copy_(target.get_input_embeddings().weight)
+        draft.get_output_embeddings().weight.data.copy_(target.get_output_embeddings().weight)
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    return draft
+
+
+def add_lora(draft: PreTrainedModel, rank: int, alpha: int, target_modules: list[str]):
+    """Wrap ``draft`` in a LoRA adapter (peft); only the adapter's parameters train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+    )
+    return get_peft_model(draft, config)
+
+
+@torch.no_grad()
+def measure_cost_ratio(target: PreTrainedModel, draft: PreTrainedModel, prompt_len: int = 32, steps: int = 16) -> float:
+    """c = one draft decoding step / one target decoding step, timed with the bundled decoder's baseline."""
+    from specdec.decoder import target_generate
+
+    prompt = [list(range(1, prompt_len + 1))]
+    step_time = {}
+    for name, model in (("target", target), ("draft", draft)):
+        was_training = model.training
+        model.eval()
+        target_generate(model, prompt, 4)  # warm-up
+        _, stats = target_generate(model, prompt, steps + 1)
+        step_time[name] = stats.verify_time / stats.rounds
+        model.train(was_training)
+    return step_time["draft"] / step_time["target"]

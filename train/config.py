@@ -20,9 +20,13 @@ class DistillConfig:
     # models
     target: str = "smollm2-135m-instruct"  # folder, .gguf, hub id, alias, or "tiny" (a random model from tiny_target)
     tiny_target: dict = field(default_factory=dict)  # LlamaConfig fields for target "tiny"
-    draft_init: str = "truncate"  # truncate | config
+    draft_init: str = "truncate"  # truncate | config | pretrained
     draft_layers: str = "2"  # truncate: a count ("2") or indices ("0,1,29")
     draft_config: dict = field(default_factory=dict)  # config: fields overriding the target's config
+    draft_model: str | None = None  # pretrained: a small model with the target's tokenizer (folder, hub id, .gguf)
+    lora_r: int = 0  # > 0: train a LoRA adapter of this rank instead of the full draft
+    lora_alpha: int = 16
+    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     freeze_embeddings: bool = True  # keep the embeddings and LM head shared with the target frozen
     # data
     data: str = "target"  # text | target
@@ -59,7 +63,12 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.draft_init in ("truncate", "config"), "draft_init must be truncate or config"),
+            (
+                self.draft_init in ("truncate", "config", "pretrained"),
+                "draft_init must be truncate, config or pretrained",
+            ),
+            (self.draft_init != "pretrained" or bool(self.draft_model), "draft_init pretrained needs draft_model"),
+            (self.lora_r >= 0, "lora_r must be >= 0"),
             (self.data in ("text", "target"), "data must be text or target"),
             (self.loss in LOSSES, f"loss must be one of {', '.join(LOSSES)}"),
             (self.max_steps >= 1, "max_steps must be >= 1"),
@@ -99,9 +108,9 @@ def _coerce(name: str, kind, value):
                     raise ValueError
                 return value.lower() in ("true", "1", "yes")
             return bool(value)
-        if kind is dict:
+        if kind in (dict, list):
             value = yaml.safe_load(value) if isinstance(value, str) else value
-            if not isinstance(value, dict):
+            if not isinstance(value, kind):
                 raise ValueError
             return value
         if kind is int and isinstance(value, float) and not value.is_integer():

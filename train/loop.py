@@ -9,6 +9,7 @@ micro-batches of the accumulation window, all processes), so each token weighs t
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import time
@@ -18,12 +19,13 @@ import torch
 import torchmetrics
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from peft import PeftModel
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from distill import data as ddata
-from distill.draft_init import count_parameters, truncate_target
+from distill.draft_init import add_lora, count_parameters, measure_cost_ratio, new_config_draft, truncate_target
 from distill.losses import acceptance_probability, cross_entropy, token_losses
 from distill.tiny import tiny_target
 from specdec.errors import DraftsmithError
@@ -50,17 +52,17 @@ def build_models(cfg: DistillConfig, device: torch.device):
     target.requires_grad_(False).eval()
     if cfg.draft_init == "truncate":
         draft = truncate_target(target, cfg.draft_layers)
+    elif cfg.draft_init == "config":
+        draft = new_config_draft(target, cfg.draft_config)
     else:
-        config = target.config.__class__(**(target.config.to_dict() | cfg.draft_config))
-        draft = type(target)(config).to(device)
-        if config.hidden_size == target.config.hidden_size:  # share the token embeddings and head
-            draft.model.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
-            draft.lm_head.weight.data.copy_(target.lm_head.weight)
-    check_compatible(tokenizer, tokenizer, target.config.vocab_size, draft.config.vocab_size)
+        draft = load_model(cfg.draft_model, device, torch.float32)
+        check_compatible(tokenizer, load_tokenizer(cfg.draft_model), target.config.vocab_size, draft.config.vocab_size)
     draft.requires_grad_(True).train()
     if cfg.freeze_embeddings:
         draft.get_input_embeddings().requires_grad_(False)
         draft.get_output_embeddings().requires_grad_(False)
+    if cfg.lora_r:
+        draft = add_lora(draft, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules)
     return target, tokenizer, draft
 
 
@@ -173,11 +175,13 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
         save_config(cfg, run_dir / "config.yaml")
     target, tokenizer, draft = build_models(cfg, accelerator.device)
     train_examples, heldout_examples = build_examples(cfg, target, tokenizer, accelerator)
+    cost_ratio = measure_cost_ratio(target, draft) if accelerator.is_main_process else float("nan")
     print0(
         accelerator,
         f"draft: {count_parameters(draft) / 1e6:.2f} M parameters "
         f"({count_parameters(draft, trainable_only=True) / 1e6:.2f} M trainable); target: "
-        f"{count_parameters(target) / 1e6:.2f} M; {len(train_examples)} training sequences",
+        f"{count_parameters(target) / 1e6:.2f} M; measured cost ratio c = {cost_ratio:.3f} "
+        f"(draft step / target step); {len(train_examples)} training sequences",
     )
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -293,6 +297,9 @@ def _save(accelerator: Accelerator, cfg: DistillConfig, run_dir: Path, step: int
     accelerator.save_state(str(tmp / "state"))
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(draft)
+        if isinstance(model, PeftModel):  # the adapter, plus a merged copy that loads as a plain model
+            model.save_pretrained(tmp / "adapter")
+            model = copy.deepcopy(model).merge_and_unload()
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         info = {"step": step, "target": cfg.target, "draft_init": cfg.draft_init, "config": dataclasses.asdict(cfg)}

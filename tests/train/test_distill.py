@@ -1,6 +1,7 @@
 """The distillation trainer on configs/tiny.yaml: a real run, checkpoints, resume, bad input."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,27 @@ def test_dataset_without_usable_rows(tmp_path, capsys):
     code = main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", f"dataset={data}"])
     assert code == 2
     assert "has 3 rows; need more than heldout=8" in capsys.readouterr().err
+
+
+def test_config_init_and_pretrained_lora_draft(tmp_path, capsys):
+    from distill.tiny import tiny_target
+
+    run = train(tiny_cfg(tmp_path / "cfg", draft_init="config", draft_config="{num_hidden_layers: 1}", max_steps=2,
+                         save_steps=2, log_steps=2))
+    assert re.search(r"measured cost ratio c = 0\.\d{3} \(draft step / target step\)", capsys.readouterr().out)
+    assert AutoModelForCausalLM.from_pretrained(run / "checkpoint-2").config.num_hidden_layers == 1
+
+    small, tokenizer = tiny_target(seed=3, num_hidden_layers=1)
+    small.save_pretrained(tmp_path / "small")
+    tokenizer.save_pretrained(tmp_path / "small")
+    cfg = tiny_cfg(tmp_path / "lora", draft_init="pretrained", draft_model=str(tmp_path / "small"), lora_r=4,
+                   freeze_embeddings="true", max_steps=4, save_steps=4, log_steps=2)
+    run = train(cfg)
+    ckpt = run / "checkpoint-4"
+    assert (ckpt / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(ckpt)
+    base = small.state_dict()
+    changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, base[k])]
+    assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in changed)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert metrics[-1]["acceptance_rate"] != metrics[0]["acceptance_rate"]
