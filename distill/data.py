@@ -188,4 +188,7 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         ids[row, :n] = torch.tensor(e["input_ids"])
         attn[row, :n] = 1
         loss[row, :n] = torch.tensor(e["loss_mask"], dtype=torch.bool)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+    if "index" in examples[0]:  # position in the training set, for the teacher cache
+        batch["index"] = torch.tensor([e["index"] for e in examples])
+    return batch

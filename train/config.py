@@ -39,6 +39,9 @@ class DistillConfig:
     gen_top_p: float = 1.0
     gen_batch_size: int = 8
     gen_samples: int = 1  # target mode: answers per training prompt (needs gen_temperature > 0 when > 1)
+    # teacher
+    teacher_cache: bool = False  # store the target's top-k log-probs once; training skips its forward pass
+    teacher_top_k: int = 64
     # loss
     loss: str = "tvd"  # forward_kl | reverse_kl | jsd | tvd | accepted_length
     loss_temperature: float = 1.0
@@ -69,6 +72,7 @@ class DistillConfig:
             ),
             (self.draft_init != "pretrained" or bool(self.draft_model), "draft_init pretrained needs draft_model"),
             (self.lora_r >= 0, "lora_r must be >= 0"),
+            (self.teacher_top_k >= 1, "teacher_top_k must be >= 1"),
             (self.data in ("text", "target"), "data must be text or target"),
             (self.loss in LOSSES, f"loss must be one of {', '.join(LOSSES)}"),
             (self.max_steps >= 1, "max_steps must be >= 1"),

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from distill import data as ddata
+from distill import teacher_cache
 from distill.draft_init import add_lora, count_parameters, measure_cost_ratio, new_config_draft, truncate_target
 from distill.losses import acceptance_probability, cross_entropy, token_losses
 from distill.tiny import tiny_target
@@ -129,10 +130,14 @@ def _encode_prompts(cfg: DistillConfig, target, tokenizer, *row_sets) -> list[li
     return encoded
 
 
-def distill_step_loss(cfg: DistillConfig, draft, target, batch: dict, mask: torch.Tensor) -> torch.Tensor:
-    """Sum over valid tokens of the configured loss for one micro-batch (not yet normalized)."""
+def distill_step_loss(cfg: DistillConfig, draft, teacher_logits, batch: dict) -> torch.Tensor:
+    """Sum over valid tokens of the configured loss for one micro-batch (not yet normalized).
+
+    teacher_logits: batch -> (B, T, V) teacher logits or log-probs (the live target or the cache).
+    """
+    mask = batch["loss_mask"]
     with torch.no_grad():
-        teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        teacher = teacher_logits(batch)
     student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     losses = token_losses(cfg.loss, student, teacher, mask, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma)
     if cfg.ce_weight:
@@ -185,6 +190,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
     )
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    teacher_logits = _teacher(cfg, target, train_examples, pad, accelerator)
     loader = DataLoader(
         train_examples,
         batch_size=cfg.batch_size,
@@ -234,7 +240,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
                 scale = accelerator.num_processes / max(global_tokens, 1)
                 sync = i == len(micro) - 1
                 with accelerator.no_sync(draft) if not sync else contextlib.nullcontext():
-                    loss = distill_step_loss(cfg, draft, target, batch, batch["loss_mask"]) * scale
+                    loss = distill_step_loss(cfg, draft, teacher_logits, batch) * scale
                     accelerator.backward(loss)
                 step_loss += float(loss.detach()) / accelerator.num_processes
             accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -275,6 +281,31 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return run_dir
+
+
+def _teacher(cfg: DistillConfig, target, examples: list[dict], pad: int, accelerator: Accelerator):
+    """The function that gives a batch's teacher logits: the target's forward, or the top-k cache."""
+    if not cfg.teacher_cache:
+        return lambda batch: target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    for i, example in enumerate(examples):
+        example["index"] = i
+    key = teacher_cache.cache_key(cfg.target, examples, cfg.teacher_top_k, 1.0)
+    folder = draftsmith_home() / "teacher-cache" / key
+    with accelerator.main_process_first():
+        teacher_cache.build(
+            target,
+            examples,
+            folder,
+            cfg.teacher_top_k,
+            cfg.batch_size,
+            pad_id=pad,
+            progress=accelerator.is_main_process,
+        )
+    entries = teacher_cache.load(folder)
+    vocab = target.config.vocab_size
+    return lambda batch: teacher_cache.dense_teacher_logprobs(
+        [entries[i] for i in batch["index"].tolist()], batch["loss_mask"], vocab
+    )
 
 
 def _truncate_log(path: Path, step: int) -> None:

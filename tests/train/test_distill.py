@@ -1,6 +1,7 @@
 """The distillation trainer on configs/tiny.yaml: a real run, checkpoints, resume, bad input."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -110,16 +111,32 @@ def test_dataset_without_usable_rows(tmp_path, capsys):
 def test_config_init_and_pretrained_lora_draft(tmp_path, capsys):
     from distill.tiny import tiny_target
 
-    run = train(tiny_cfg(tmp_path / "cfg", draft_init="config", draft_config="{num_hidden_layers: 1}", max_steps=2,
-                         save_steps=2, log_steps=2))
+    run = train(
+        tiny_cfg(
+            tmp_path / "cfg",
+            draft_init="config",
+            draft_config="{num_hidden_layers: 1}",
+            max_steps=2,
+            save_steps=2,
+            log_steps=2,
+        )
+    )
     assert re.search(r"measured cost ratio c = 0\.\d{3} \(draft step / target step\)", capsys.readouterr().out)
     assert AutoModelForCausalLM.from_pretrained(run / "checkpoint-2").config.num_hidden_layers == 1
 
     small, tokenizer = tiny_target(seed=3, num_hidden_layers=1)
     small.save_pretrained(tmp_path / "small")
     tokenizer.save_pretrained(tmp_path / "small")
-    cfg = tiny_cfg(tmp_path / "lora", draft_init="pretrained", draft_model=str(tmp_path / "small"), lora_r=4,
-                   freeze_embeddings="true", max_steps=4, save_steps=4, log_steps=2)
+    cfg = tiny_cfg(
+        tmp_path / "lora",
+        draft_init="pretrained",
+        draft_model=str(tmp_path / "small"),
+        lora_r=4,
+        freeze_embeddings="true",
+        max_steps=4,
+        save_steps=4,
+        log_steps=2,
+    )
     run = train(cfg)
     ckpt = run / "checkpoint-4"
     assert (ckpt / "adapter" / "adapter_config.json").is_file()
@@ -129,3 +146,19 @@ def test_config_init_and_pretrained_lora_draft(tmp_path, capsys):
     assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in changed)
     metrics = read_jsonl(run / "metrics.jsonl")
     assert metrics[-1]["acceptance_rate"] != metrics[0]["acceptance_rate"]
+
+
+def test_teacher_cache_matches_live_teacher_with_full_top_k(tmp_path):
+    # With k = V the cache holds the whole distribution, so training is the same as with the live target.
+    live = train(tiny_cfg(tmp_path / "live", max_steps=4, save_steps=4, log_steps=2))
+    cached = train(tiny_cfg(tmp_path / "cached", max_steps=4, save_steps=4, log_steps=2, teacher_cache="true",
+                            teacher_top_k=103))
+    a, b = read_jsonl(live / "losses.jsonl"), read_jsonl(cached / "losses.jsonl")
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=2e-3)  # float16 log-probs in the cache
+    small_k = train(tiny_cfg(tmp_path / "k8", max_steps=4, save_steps=4, log_steps=2, teacher_cache="true",
+                             teacher_top_k=8))
+    metas = [json.loads(p.read_text()) for p in Path(os.environ["DRAFTSMITH_HOME"]).glob("teacher-cache/*/meta.json")]
+    meta = next(m for m in metas if m["top_k"] == 8)
+    assert meta["bytes_per_token"] == 48 and meta["tokens"] > 0 and meta["examples"] == 48
+    assert read_jsonl(small_k / "losses.jsonl")[-1]["loss"] > 0
