@@ -171,7 +171,10 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
     """
     # ---- setup ---------------------------------------------------------------------------------
     device = resolve_device(None if cfg.device == "auto" else cfg.device)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=device.type == "cpu")
+    # The schedule counts optimizer steps; by default accelerate would advance it once per process.
+    accelerator = Accelerator(
+        mixed_precision=cfg.mixed_precision, cpu=device.type == "cpu", step_scheduler_with_optimizer=False
+    )
     set_seed(cfg.seed)
     run_dir = Path(cfg.output_dir)
     resume_from = _check_resume(run_dir, cfg)
@@ -216,8 +219,10 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
     elif accelerator.is_main_process:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         (run_dir / "losses.jsonl").unlink(missing_ok=True)
-    if step == 0 and accelerator.is_main_process:
-        _log(run_dir / "metrics.jsonl", {"step": 0, **heldout_metrics(draft, target, heldout, accelerator)})
+    if step == 0:
+        initial = heldout_metrics(draft, target, heldout, accelerator)  # a collective: every process computes
+        if accelerator.is_main_process:
+            _log(run_dir / "metrics.jsonl", {"step": 0, **initial})
 
     # ---- train ---------------------------------------------------------------------------------
     steps_per_epoch = max(1, len(loader) // cfg.grad_accum)

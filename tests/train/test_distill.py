@@ -151,13 +151,15 @@ def test_config_init_and_pretrained_lora_draft(tmp_path, capsys):
 def test_teacher_cache_matches_live_teacher_with_full_top_k(tmp_path):
     # With k = V the cache holds the whole distribution, so training is the same as with the live target.
     live = train(tiny_cfg(tmp_path / "live", max_steps=4, save_steps=4, log_steps=2))
-    cached = train(tiny_cfg(tmp_path / "cached", max_steps=4, save_steps=4, log_steps=2, teacher_cache="true",
-                            teacher_top_k=103))
+    cached = train(
+        tiny_cfg(tmp_path / "cached", max_steps=4, save_steps=4, log_steps=2, teacher_cache="true", teacher_top_k=103)
+    )
     a, b = read_jsonl(live / "losses.jsonl"), read_jsonl(cached / "losses.jsonl")
     for x, y in zip(a, b, strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=2e-3)  # float16 log-probs in the cache
-    small_k = train(tiny_cfg(tmp_path / "k8", max_steps=4, save_steps=4, log_steps=2, teacher_cache="true",
-                             teacher_top_k=8))
+    small_k = train(
+        tiny_cfg(tmp_path / "k8", max_steps=4, save_steps=4, log_steps=2, teacher_cache="true", teacher_top_k=8)
+    )
     metas = [json.loads(p.read_text()) for p in Path(os.environ["DRAFTSMITH_HOME"]).glob("teacher-cache/*/meta.json")]
     meta = next(m for m in metas if m["top_k"] == 8)
     assert meta["bytes_per_token"] == 48 and meta["tokens"] > 0 and meta["examples"] == 48
