@@ -133,17 +133,25 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-    """Load a causal LM for inference (eval mode, no grad) on ``device``."""
+def load_model(
+    spec: str, device: torch.device, dtype: torch.dtype, device_map: str | dict | None = None
+) -> PreTrainedModel:
+    """Load a causal LM for inference (eval mode, no grad) on ``device``.
+
+    device_map: place the layers across devices instead (``"auto"``: over the visible GPUs), for a
+    target too large for one device.
+    """
     source = resolve_model(spec)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map)
     except (OSError, ValueError) as err:
         raise DraftsmithError(
             f"could not load model {spec!r}: {err}. Pass a model folder, a .gguf file, a reachable hub id, "
             f"or the alias {DEFAULT_TARGET}"
         ) from err
-    return model.to(device).eval().requires_grad_(False)
+    if device_map is None:
+        model = model.to(device)
+    return model.eval().requires_grad_(False)
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:

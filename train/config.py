@@ -40,6 +40,7 @@ class DistillConfig:
     gen_batch_size: int = 8
     gen_samples: int = 1  # target mode: answers per training prompt (needs gen_temperature > 0 when > 1)
     # teacher
+    teacher_device_map: str | None = None  # e.g. auto: spread the target over this process's GPUs
     teacher_cache: bool = False  # store the target's top-k log-probs once; training skips its forward pass
     teacher_top_k: int = 64
     # loss

@@ -49,7 +49,7 @@ def build_models(cfg: DistillConfig, device: torch.device):
         target = target.to(device)
     else:
         tokenizer = load_tokenizer(cfg.target)
-        target = load_model(cfg.target, device, torch.float32)
+        target = load_model(cfg.target, device, torch.float32, device_map=cfg.teacher_device_map)
     target.requires_grad_(False).eval()
     if cfg.draft_init == "truncate":
         draft = truncate_target(target, cfg.draft_layers)
@@ -291,7 +291,10 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
 def _teacher(cfg: DistillConfig, target, examples: list[dict], pad: int, accelerator: Accelerator):
     """The function that gives a batch's teacher logits: the target's forward, or the top-k cache."""
     if not cfg.teacher_cache:
-        return lambda batch: target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        # .to(): a target spread with teacher_device_map returns logits on its last device
+        return lambda batch: target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.to(
+            accelerator.device
+        )
     for i, example in enumerate(examples):
         example["index"] = i
     key = teacher_cache.cache_key(cfg.target, examples, cfg.teacher_top_k, 1.0)
@@ -331,12 +334,14 @@ def _save(accelerator: Accelerator, cfg: DistillConfig, run_dir: Path, step: int
     tmp = checkpoint.begin(run_dir, step) if accelerator.is_main_process else run_dir / f".checkpoint-{step}.tmp"
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / "state"))
+    state = accelerator.get_state_dict(draft)  # gathers a sharded (FSDP) draft; every process takes part
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(draft)
         if isinstance(model, PeftModel):  # the adapter, plus a merged copy that loads as a plain model
             model.save_pretrained(tmp / "adapter")
             model = copy.deepcopy(model).merge_and_unload()
-        model.save_pretrained(tmp, safe_serialization=True)
+            state = None
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         info = {"step": step, "target": cfg.target, "draft_init": cfg.draft_init, "config": dataclasses.asdict(cfg)}
         checkpoint.commit(run_dir, tmp, step, info, cfg.keep_last)

@@ -91,3 +91,15 @@ def test_empty_and_missing_prompt_files(tmp_path):
         read_prompts(write_lines(tmp_path / "empty.jsonl", ["", "  "]))
     with pytest.raises(DraftsmithError, match="prompts file not found"):
         read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_load_model_with_a_device_map(tmp_path):
+    import torch
+
+    from specdec.loading import load_model
+    from tests.helpers import save_tiny_pair
+
+    target, _ = save_tiny_pair(tmp_path)
+    model = load_model(str(target), torch.device("cpu"), torch.float32, device_map="cpu")
+    assert model.device.type == "cpu" and not model.training
+    assert all(not p.requires_grad for p in model.parameters())
