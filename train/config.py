@@ -39,6 +39,9 @@ class DistillConfig:
     gen_top_p: float = 1.0
     gen_batch_size: int = 8
     gen_samples: int = 1  # target mode: answers per training prompt (needs gen_temperature > 0 when > 1)
+    on_policy_fraction: float = 0.0  # lambda: share of micro-batches replaced by the draft's own answers
+    on_policy_refresh_steps: int = 50  # regenerate the draft's answers every this many steps
+    on_policy_pool: int = 32  # prompts answered by the draft at each refresh
     # teacher
     teacher_device_map: str | None = None  # e.g. auto: spread the target over this process's GPUs
     teacher_cache: bool = False  # store the target's top-k log-probs once; training skips its forward pass
@@ -74,6 +77,13 @@ class DistillConfig:
             (self.draft_init != "pretrained" or bool(self.draft_model), "draft_init pretrained needs draft_model"),
             (self.lora_r >= 0, "lora_r must be >= 0"),
             (self.teacher_top_k >= 1, "teacher_top_k must be >= 1"),
+            (0 <= self.on_policy_fraction <= 1, "on_policy_fraction must be in [0, 1]"),
+            (self.on_policy_refresh_steps >= 1, "on_policy_refresh_steps must be >= 1"),
+            (self.on_policy_pool >= 1, "on_policy_pool must be >= 1"),
+            (
+                self.on_policy_fraction == 0 or not self.teacher_cache,
+                "on_policy_fraction > 0 needs the live target (teacher_cache: false): draft answers are new text",
+            ),
             (self.data in ("text", "target"), "data must be text or target"),
             (self.loss in LOSSES, f"loss must be one of {', '.join(LOSSES)}"),
             (self.max_steps >= 1, "max_steps must be >= 1"),

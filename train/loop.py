@@ -28,6 +28,7 @@ from distill import data as ddata
 from distill import teacher_cache
 from distill.draft_init import add_lora, count_parameters, measure_cost_ratio, new_config_draft, truncate_target
 from distill.losses import acceptance_probability, cross_entropy, token_losses
+from distill.on_policy import OnPolicyMixer, example_prompt
 from distill.tiny import tiny_target
 from specdec.errors import DraftsmithError
 from specdec.loading import check_compatible, draftsmith_home, eos_token_ids, load_model, load_tokenizer, resolve_device
@@ -208,10 +209,30 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
     draft, optimizer, loader, heldout, scheduler = accelerator.prepare(draft, optimizer, loader, heldout, scheduler)
 
+    mixer = None
+    if cfg.on_policy_fraction > 0:
+        prompts = [list(p) for p in sorted({tuple(example_prompt(e)) for e in train_examples})]
+        mixer = OnPolicyMixer(
+            prompts,
+            cfg.on_policy_fraction,
+            cfg.on_policy_refresh_steps,
+            cfg.on_policy_pool,
+            cfg.gen_max_new_tokens,
+            SamplingParams(cfg.gen_temperature, 0, cfg.gen_top_p),
+            eos_token_ids(target, tokenizer),
+            cfg.seed,
+            cfg.batch_size,
+            cfg.max_length,
+            pad,
+            accelerator.process_index,
+        )
+
     step = 0
     if resume_from is not None:
         step = resume_from[0]
         accelerator.load_state(str(resume_from[1] / "state"))
+        if mixer is not None:
+            mixer.load(resume_from[1])
         if accelerator.is_main_process:  # records past the checkpoint will be written again
             for name in ("metrics.jsonl", "losses.jsonl"):
                 _truncate_log(run_dir / name, step)
@@ -237,6 +258,10 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
         )
         for _ in range(done_in_epoch, steps_per_epoch):
             micro = [next(batches) for _ in range(cfg.grad_accum)]
+            if mixer is not None:
+                if mixer.due(step):
+                    mixer.refresh(accelerator.unwrap_model(draft), step, progress=accelerator.is_main_process)
+                micro = [mixer.maybe_replace(b, step, i, accelerator.device) for i, b in enumerate(micro)]
             local_tokens = sum(int(b["loss_mask"].sum()) for b in micro)
             global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum"))
             step_loss = 0.0
@@ -275,7 +300,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", alpha=f"{metrics['acceptance_rate']:.3f}")
                 window_loss, window_tokens, t0 = 0.0, 0, time.perf_counter()
             if step % cfg.save_steps == 0 or step == cfg.max_steps:
-                _save(accelerator, cfg, run_dir, step, draft, tokenizer, target)
+                _save(accelerator, cfg, run_dir, step, draft, tokenizer, mixer)
             if step >= cfg.max_steps or step == stop_at_step:
                 break
         if step == stop_at_step:
@@ -328,7 +353,7 @@ def _log(file: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _save(accelerator: Accelerator, cfg: DistillConfig, run_dir: Path, step: int, draft, tokenizer, target) -> None:
+def _save(accelerator: Accelerator, cfg: DistillConfig, run_dir: Path, step: int, draft, tokenizer, mixer) -> None:
     """Write checkpoint-{step}: the draft as a model folder, the training state, then the marker."""
     accelerator.wait_for_everyone()
     tmp = checkpoint.begin(run_dir, step) if accelerator.is_main_process else run_dir / f".checkpoint-{step}.tmp"
@@ -342,6 +367,8 @@ def _save(accelerator: Accelerator, cfg: DistillConfig, run_dir: Path, step: int
             model = copy.deepcopy(model).merge_and_unload()
             state = None
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if mixer is not None:
+            mixer.save(tmp)
         tokenizer.save_pretrained(tmp)
         info = {"step": step, "target": cfg.target, "draft_init": cfg.draft_init, "config": dataclasses.asdict(cfg)}
         checkpoint.commit(run_dir, tmp, step, info, cfg.keep_last)
@@ -362,6 +389,12 @@ _RESUME_KEYS = (
     "grad_accum",
     "seed",
     "heldout",
+    "gen_samples",
+    "on_policy_fraction",
+    "on_policy_refresh_steps",
+    "on_policy_pool",
+    "teacher_cache",
+    "teacher_top_k",
 )
 
 

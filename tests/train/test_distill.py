@@ -164,3 +164,20 @@ def test_teacher_cache_matches_live_teacher_with_full_top_k(tmp_path):
     meta = next(m for m in metas if m["top_k"] == 8)
     assert meta["bytes_per_token"] == 48 and meta["tokens"] > 0 and meta["examples"] == 48
     assert read_jsonl(small_k / "losses.jsonl")[-1]["loss"] > 0
+
+
+def test_on_policy_mixing_changes_training_and_resumes_exactly(tmp_path):
+    common = {"max_steps": 6, "save_steps": 3, "log_steps": 3, "on_policy_refresh_steps": 2, "on_policy_pool": 8,
+              "gen_temperature": 0.8}
+    plain = train(tiny_cfg(tmp_path / "plain", **common))
+    mixed = train(tiny_cfg(tmp_path / "mixed", on_policy_fraction=0.5, **common))
+    pool = json.loads((mixed / "checkpoint-6" / "on_policy_pool.json").read_text())
+    assert len(pool) == 8 and all(sum(e["loss_mask"]) > 0 for e in pool)
+    a, b = read_jsonl(plain / "losses.jsonl"), read_jsonl(mixed / "losses.jsonl")
+    assert [x["loss"] for x in a] != [x["loss"] for x in b]
+
+    cfg = tiny_cfg(tmp_path / "resumed", on_policy_fraction=0.5, **common)
+    train(cfg, stop_at_step=5)  # the last checkpoint is step 3, between two refreshes
+    train(cfg)
+    c = read_jsonl(cfg_run(cfg) / "losses.jsonl")
+    assert [x["loss"] for x in c] == pytest.approx([x["loss"] for x in b], rel=1e-5)
