@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 
 quickstart: setup
 	$(VENV)/bin/draftsmith eval --target smollm2-135m-instruct --draft truncate:2 \
-		--prompts benchmarks/prompts/mixed.jsonl --max-new-tokens 64 --repeats 1 --json quickstart/eval.json
+		--prompts distill/data/eval_prompts.jsonl --max-new-tokens 64 --repeats 1 --json quickstart/eval.json
 
 test: setup
 	$(PY) -m pytest -q

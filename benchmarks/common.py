@@ -12,7 +12,7 @@ import torch
 from specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
 from specdec.prompts import encode_chat, read_prompts
 
-PROMPTS = Path(__file__).parent / "prompts" / "mixed.jsonl"
+PROMPTS = Path(__file__).parents[1] / "distill" / "data" / "eval_prompts.jsonl"  # held out from training
 
 
 def default_target(device: str = "cpu"):

@@ -9,6 +9,9 @@ from specdec.errors import DraftsmithError
 
 COMMANDS = {
     "distill": ("scripts.distill", "distill the target into a draft with acceptance-oriented losses"),
+    "eval-run": ("scripts.eval_run", "measure every checkpoint of a run, choose gamma, mark the best one"),
+    "publish": ("scripts.publish", "write a checkpoint as a standard draft model folder, optionally push it"),
+    "quickstart": ("scripts.quickstart", "the whole job on the embedded default target: distill, measure, publish"),
     "eval": ("scripts.eval", "measure a (target, draft) pair: acceptance rate, tau, real and predicted speedup"),
 }
 

@@ -31,13 +31,23 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def begin(run_dir: Path, step: int) -> Path:
-    """A fresh temporary folder for checkpoint ``step``."""
+def begin(run_dir: Path, step: int | str) -> Path:
+    """A fresh temporary folder for checkpoint ``step`` (or ``"initial"``, the draft before training)."""
     tmp = run_dir / f".checkpoint-{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def commit_initial(run_dir: Path, tmp: Path, info: dict) -> Path:
+    """Mark ``tmp`` complete and rename it to ``initial/``: the draft as it was before any step."""
+    (tmp / MARKER).write_text(json.dumps(info, indent=2))
+    final = run_dir / "initial"
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
 
 
 def commit(run_dir: Path, tmp: Path, step: int, info: dict, keep_last: int) -> Path:

@@ -43,15 +43,20 @@ def print0(accelerator: Accelerator, *args) -> None:
         tqdm.write(" ".join(str(a) for a in args))
 
 
-def build_models(cfg: DistillConfig, device: torch.device):
-    """(target, tokenizer, draft): the frozen teacher and the trainable draft."""
+def load_target(cfg: DistillConfig, device: torch.device):
+    """(target, tokenizer) of a run: the frozen teacher (``tiny`` is rebuilt from its config and seed)."""
     if cfg.target == "tiny":
         target, tokenizer = tiny_target(seed=cfg.seed, **cfg.tiny_target)
         target = target.to(device)
     else:
         tokenizer = load_tokenizer(cfg.target)
         target = load_model(cfg.target, device, torch.float32, device_map=cfg.teacher_device_map)
-    target.requires_grad_(False).eval()
+    return target.requires_grad_(False).eval(), tokenizer
+
+
+def build_models(cfg: DistillConfig, device: torch.device):
+    """(target, tokenizer, draft): the frozen teacher and the trainable draft."""
+    target, tokenizer = load_target(cfg, device)
     if cfg.draft_init == "truncate":
         draft = truncate_target(target, cfg.draft_layers)
     elif cfg.draft_init == "config":
@@ -242,8 +247,14 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
         (run_dir / "losses.jsonl").unlink(missing_ok=True)
     if step == 0:
         initial = heldout_metrics(draft, target, heldout, accelerator)  # a collective: every process computes
+        state = accelerator.get_state_dict(draft)
         if accelerator.is_main_process:
             _log(run_dir / "metrics.jsonl", {"step": 0, **initial})
+            tmp = checkpoint.begin(run_dir, "initial")
+            _write_draft(accelerator.unwrap_model(draft), state, tokenizer, tmp)
+            checkpoint.commit_initial(
+                run_dir, tmp, {"step": 0, "target": cfg.target, "config": dataclasses.asdict(cfg)}
+            )
 
     # ---- train ---------------------------------------------------------------------------------
     steps_per_epoch = max(1, len(loader) // cfg.grad_accum)
@@ -361,18 +372,21 @@ def _save(accelerator: Accelerator, cfg: DistillConfig, run_dir: Path, step: int
     accelerator.save_state(str(tmp / "state"))
     state = accelerator.get_state_dict(draft)  # gathers a sharded (FSDP) draft; every process takes part
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(draft)
-        if isinstance(model, PeftModel):  # the adapter, plus a merged copy that loads as a plain model
-            model.save_pretrained(tmp / "adapter")
-            model = copy.deepcopy(model).merge_and_unload()
-            state = None
-        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        _write_draft(accelerator.unwrap_model(draft), state, tokenizer, tmp)
         if mixer is not None:
             mixer.save(tmp)
-        tokenizer.save_pretrained(tmp)
         info = {"step": step, "target": cfg.target, "draft_init": cfg.draft_init, "config": dataclasses.asdict(cfg)}
         checkpoint.commit(run_dir, tmp, step, info, cfg.keep_last)
     accelerator.wait_for_everyone()
+
+
+def _write_draft(model, state: dict | None, tokenizer, folder: Path) -> None:
+    """The draft as a Hugging Face model folder (a LoRA draft: its adapter, plus a merged copy)."""
+    if isinstance(model, PeftModel):
+        model.save_pretrained(folder / "adapter")
+        model, state = copy.deepcopy(model).merge_and_unload(), None
+    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
 
 
 _RESUME_KEYS = (

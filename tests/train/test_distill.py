@@ -167,8 +167,14 @@ def test_teacher_cache_matches_live_teacher_with_full_top_k(tmp_path):
 
 
 def test_on_policy_mixing_changes_training_and_resumes_exactly(tmp_path):
-    common = {"max_steps": 6, "save_steps": 3, "log_steps": 3, "on_policy_refresh_steps": 2, "on_policy_pool": 8,
-              "gen_temperature": 0.8}
+    common = {
+        "max_steps": 6,
+        "save_steps": 3,
+        "log_steps": 3,
+        "on_policy_refresh_steps": 2,
+        "on_policy_pool": 8,
+        "gen_temperature": 0.8,
+    }
     plain = train(tiny_cfg(tmp_path / "plain", **common))
     mixed = train(tiny_cfg(tmp_path / "mixed", on_policy_fraction=0.5, **common))
     pool = json.loads((mixed / "checkpoint-6" / "on_policy_pool.json").read_text())

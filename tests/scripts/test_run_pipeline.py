@@ -1,0 +1,111 @@
+"""eval-run, publish and quickstart on a tiny run: reports, the best checkpoint, a loadable published draft."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM
+
+from scripts.cli import main
+from specdec.decoder import target_generate
+from train.config import DistillConfig, load_config
+from train.loop import train
+
+ROOT = Path(__file__).parents[2]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+PROMPTS = str(ROOT / "distill" / "data" / "eval_prompts.jsonl")
+EVAL = ["--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12", "--gammas", "1,2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "run"
+    cfg = load_config(DistillConfig, TINY, [f"output_dir={out}", "max_steps=4", "save_steps=2", "log_steps=2",
+                                            "keep_last=2"])
+    return train(cfg)
+
+
+def test_eval_run_measures_every_checkpoint_once(run_dir, capsys):
+    assert main(["eval-run", str(run_dir), *EVAL, "--temperatures", "0,1"]) == 0
+    first = capsys.readouterr().out
+    assert first.count("measuring ") == 6  # initial, checkpoint-2, checkpoint-4 at two temperatures
+    report = json.loads((run_dir / "speedup_report.json").read_text())
+    assert sorted(report["results"]) == ["checkpoint-2", "checkpoint-4", "initial"]
+    for name, by_temp in report["results"].items():
+        assert sorted(by_temp) == ["0.0", "1.0"]
+        greedy = by_temp["0.0"]
+        assert greedy["greedy_match"] == 1.0
+        assert greedy["best_gamma"] in (1, 2)
+        assert greedy["speedup"] == pytest.approx(greedy["spec_tokens_per_s"] / greedy["target_tokens_per_s"])
+        assert by_temp["1.0"]["greedy_match"] is None
+        assert greedy["step"] == {"initial": 0, "checkpoint-2": 2, "checkpoint-4": 4}[name]
+    best = json.loads((run_dir / "best.json").read_text())
+    speedups = {n: r["0.0"]["speedup"] for n, r in report["results"].items()}
+    assert best["checkpoint"] == max(speedups, key=speedups.get)
+    assert (run_dir / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+    table = (run_dir / "speedup_report.md").read_text()
+    assert f"| {best['checkpoint']} **best** |" in table
+    assert main(["eval-run", str(run_dir), *EVAL, "--temperatures", "0,1"]) == 0
+    assert "measuring " not in capsys.readouterr().out  # nothing measured twice
+
+
+def test_eval_run_bad_input(tmp_path, run_dir, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.yaml").write_text(yaml.safe_dump({"target": "tiny"}))
+    assert main(["eval-run", str(empty), *EVAL]) == 2
+    assert "has no checkpoints yet" in capsys.readouterr().err
+    assert main(["eval-run", str(tmp_path), *EVAL]) == 2
+    assert "is not a distillation run folder" in capsys.readouterr().err
+
+
+def test_publish_writes_a_loadable_draft_with_a_model_card(tmp_path, run_dir, capsys):
+    main(["eval-run", str(run_dir), *EVAL])
+    out = tmp_path / "draft"
+    assert main(["publish", str(run_dir), "--out", str(out)]) == 0  # the run folder stands for its best
+    best = json.loads((run_dir / "best.json").read_text())["checkpoint"]
+    published = AutoModelForCausalLM.from_pretrained(out)
+    original = AutoModelForCausalLM.from_pretrained(run_dir / best)
+    prompts = [[3, 20, 30, 4]]
+    assert target_generate(published, prompts, 10)[0] == target_generate(original, prompts, 10)[0]
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (out / name).is_file()
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["base_model"] == "tiny" and front["library_name"] == "transformers"
+    assert {"speculative-decoding", "draft-model"} <= set(front["tags"])
+    assert "assistant_model=draft" in card and "speculative_config" in card
+    assert "| 0.0 |" in card  # the measured row
+
+    assert main(["publish", str(run_dir / best), "--out", str(out)]) == 2
+    assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    (run_dir / "checkpoint-2" / "model.safetensors").rename(tmp_path / "moved")
+    try:
+        assert main(["publish", str(run_dir / "checkpoint-2"), "--out", str(tmp_path / "x")]) == 2
+        assert "is missing model.safetensors" in capsys.readouterr().err
+    finally:
+        (tmp_path / "moved").rename(run_dir / "checkpoint-2" / "model.safetensors")
+
+
+def test_push_without_credentials_keeps_the_local_folder(tmp_path, run_dir, capsys, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    out = tmp_path / "pushed"
+    code = main(["publish", str(run_dir / "checkpoint-4"), "--out", str(out), "--push-to-hub", "me/draft"])
+    assert code == 2
+    assert "no Hugging Face credentials" in capsys.readouterr().err
+    assert (out / "model.safetensors").is_file()
+
+
+def test_quickstart_end_to_end_on_the_tiny_config(tmp_path, capsys):
+    code = main(["quickstart", "--output-dir", str(tmp_path / "qs"), "--config", TINY, "--eval-limit", "2",
+                 "--max-new-tokens", "12", "--gammas", "1,2", "max_steps=4", "save_steps=2", "log_steps=2"])
+    assert code == 0
+    out = capsys.readouterr().out
+    best = json.loads((tmp_path / "qs" / "run" / "best.json").read_text())["checkpoint"]
+    assert f"after ({best})" in out and "measured speedup" in out
+    assert "greedy output identical                     100%" in out
+    assert (tmp_path / "qs" / "draft" / "README.md").is_file()
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "qs" / "draft")
+    assert draft.config.num_hidden_layers == 1  # configs/tiny.yaml truncates to one layer

@@ -1,0 +1,172 @@
+"""Every checkpoint's real speedup: measured with the bundled decoder, the best gamma chosen, the best
+checkpoint marked, and the report written as JSON, Markdown and a plot.
+
+For each draft and temperature: measure alpha, c and v at a base gamma (4, or the middle of the list);
+predict the speedup of every gamma in the list from those (v grows linearly with the verified tokens);
+then measure at the predicted best gamma to confirm. The checkpoint with the highest measured speedup
+at the first temperature listed is the best; ``best.json`` in the run folder says which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec.evaluate import evaluate_pair, predicted_speedup
+from specdec.prompts import Prompt
+from specdec.sampling import SamplingParams
+from train import checkpoint
+
+REPORT = "speedup_report.json"
+
+
+def measure_draft(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[Prompt],
+    gammas: list[int],
+    temperature: float,
+    eos_ids: frozenset[int],
+    max_new_tokens: int = 64,
+    repeats: int = 1,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """The best gamma for one draft at one temperature, and alpha, tau, c, v and the speedup measured there."""
+    base = 4 if 4 in gammas else sorted(gammas)[len(gammas) // 2]
+    sampling = SamplingParams(temperature)
+
+    def run(gamma: int) -> dict:
+        return evaluate_pair(
+            target,
+            draft,
+            tokenizer,
+            prompts,
+            gamma=gamma,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            eos_ids=eos_ids,
+            seed=seed,
+            repeats=repeats,
+            progress=progress,
+        )
+
+    first = run(base)
+    alpha, c, v = first["acceptance_rate"] or 0.0, first["cost_ratio_c"], first["verify_ratio_v"]
+    predicted = {g: predicted_speedup(alpha, g, c, 1 + (v - 1) * g / base) for g in gammas}
+    best_gamma = max(predicted, key=predicted.get)
+    confirmed = first if best_gamma == base else run(best_gamma)
+    keys = (
+        "acceptance_rate",
+        "mean_accepted_tokens",
+        "cost_ratio_c",
+        "verify_ratio_v",
+        "predicted_speedup",
+        "speedup",
+        "target_tokens_per_s",
+        "spec_tokens_per_s",
+        "greedy_match",
+    )
+    return {
+        "temperature": temperature,
+        "best_gamma": best_gamma,
+        **{k: confirmed[k] for k in keys},  # measured at the best gamma
+        "base_gamma": base,
+        "at_base_gamma": {k: first[k] for k in keys},
+        "predicted_by_gamma": {str(g): p for g, p in predicted.items()},
+    }
+
+
+def drafts_of_run(run_dir: Path) -> list[tuple[str, int, Path]]:
+    """(name, step, folder) of the initial draft and every complete checkpoint, by step."""
+    found = [("initial", 0, run_dir / "initial")] if (run_dir / "initial" / checkpoint.MARKER).is_file() else []
+    return found + [(path.name, step, path) for step, path in checkpoint.checkpoint_dirs(run_dir)]
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads of {os.cpu_count()}"
+
+
+def load_report(run_dir: Path) -> dict:
+    path = run_dir / REPORT
+    return json.loads(path.read_text()) if path.is_file() else {"results": {}}
+
+
+def write_report(run_dir: Path, report: dict) -> str | None:
+    """Write the JSON, Markdown and plot, and best.json; return the best draft's name."""
+    results = report["results"]
+    first_temp = str(report["temperatures"][0])
+    candidates = {name: r[first_temp] for name, r in results.items() if first_temp in r}
+    best = max(candidates, key=lambda n: candidates[n]["speedup"]) if candidates else None
+    report["best"] = best
+    _atomic_write(run_dir / REPORT, json.dumps(report, indent=2))
+    if best is not None:
+        info = {"checkpoint": best, "temperature": float(first_temp), **candidates[best]}
+        _atomic_write(run_dir / "best.json", json.dumps(info, indent=2))
+    _atomic_write(run_dir / "speedup_report.md", _markdown(report))
+    _plot(run_dir, report)
+    return best
+
+
+def _markdown(report: dict) -> str:
+    lines = [
+        f"# Speedup report: {report['run']}",
+        "",
+        f"Target `{report['target']}`, prompts `{report['prompts']}`, {report['max_new_tokens']} new tokens, "
+        f"hardware: {report['hardware']}. Speedup = speculative tokens/s / target-only tokens/s, measured "
+        "at the best gamma (chosen from measured alpha and c, then measured).",
+        "",
+        "| draft | step | temperature | alpha | tau | c | best gamma | predicted | measured speedup | greedy match |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, by_temp in sorted(report["results"].items(), key=lambda kv: kv[1][next(iter(kv[1]))]["step"]):
+        for temp, r in by_temp.items():
+            match = "-" if r["greedy_match"] is None else f"{r['greedy_match']:.0%}"
+            mark = " **best**" if name == report.get("best") and temp == str(report["temperatures"][0]) else ""
+            lines.append(
+                f"| {name}{mark} | {r['step']} | {temp} | {r['acceptance_rate']:.3f} | "
+                f"{r['mean_accepted_tokens']:.2f} | {r['cost_ratio_c']:.3f} | {r['best_gamma']} | "
+                f"{r['predicted_speedup']:.2f} | {r['speedup']:.2f} | {match} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(run_dir: Path, report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_a, ax_s) = plt.subplots(1, 2, figsize=(10, 4))
+    for temp in map(str, report["temperatures"]):
+        rows = sorted((r[temp]["step"], r[temp]) for r in report["results"].values() if temp in r)
+        if not rows:
+            continue
+        steps = [s for s, _ in rows]
+        ax_a.plot(steps, [r["acceptance_rate"] for _, r in rows], marker="o", label=f"T={temp}")
+        ax_s.plot(steps, [r["speedup"] for _, r in rows], marker="o", label=f"T={temp}")
+    ax_a.set(xlabel="step", ylabel="acceptance rate alpha", title="acceptance")
+    ax_s.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax_s.set(xlabel="step", ylabel="measured speedup", title="speedup (best gamma)")
+    for ax in (ax_a, ax_s):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = run_dir / ".speedup.png.tmp"
+    fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    os.replace(tmp, run_dir / "speedup.png")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
