@@ -297,8 +297,8 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
             if accelerator.is_main_process:
                 _log(run_dir / "losses.jsonl", {"step": step, "loss": step_loss})
             if step % cfg.log_steps == 0 or step == cfg.max_steps:
+                elapsed = time.perf_counter() - t0  # training time only, before the held-out evaluation
                 metrics = heldout_metrics(draft, target, heldout, accelerator)
-                elapsed = time.perf_counter() - t0
                 record = {
                     "step": step,
                     "loss": window_loss / (step % cfg.log_steps or cfg.log_steps),
