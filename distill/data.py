@@ -31,6 +31,7 @@ from specdec.prompts import encode_chat
 from specdec.sampling import SamplingParams
 
 BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
+EVAL_PROMPTS = Path(__file__).parent / "data" / "eval_prompts.jsonl"  # held out: never used for training
 
 
 def load_rows(source: str, split: str = "train") -> datasets.Dataset:

@@ -66,6 +66,11 @@ class DistillConfig:
     save_steps: int = 50
     keep_last: int = 3
     log_steps: int = 10
+    eval_speedup_steps: int = 0  # > 0: every this many steps, measure real speedup on eval_prompts (main process)
+    eval_prompts: str = "builtin"  # prompts JSONL for that; builtin = distill/data/eval_prompts.jsonl
+    eval_limit: int = 4  # prompts used
+    eval_max_new_tokens: int = 48
+    eval_gammas: list = field(default_factory=lambda: [1, 2, 4])
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -77,6 +82,11 @@ class DistillConfig:
             (self.draft_init != "pretrained" or bool(self.draft_model), "draft_init pretrained needs draft_model"),
             (self.lora_r >= 0, "lora_r must be >= 0"),
             (self.teacher_top_k >= 1, "teacher_top_k must be >= 1"),
+            (self.eval_speedup_steps >= 0, "eval_speedup_steps must be >= 0"),
+            (
+                bool(self.eval_gammas) and all(isinstance(g, int) and g >= 1 for g in self.eval_gammas),
+                "eval_gammas must be a list of integers >= 1",
+            ),
             (0 <= self.on_policy_fraction <= 1, "on_policy_fraction must be in [0, 1]"),
             (self.on_policy_refresh_steps >= 1, "on_policy_refresh_steps must be >= 1"),
             (self.on_policy_pool >= 1, "on_policy_pool must be >= 1"),

@@ -32,9 +32,9 @@ from distill.on_policy import OnPolicyMixer, example_prompt
 from distill.tiny import tiny_target
 from specdec.errors import DraftsmithError
 from specdec.loading import check_compatible, draftsmith_home, eos_token_ids, load_model, load_tokenizer, resolve_device
-from specdec.prompts import encode_chat
+from specdec.prompts import encode_chat, read_prompts
 from specdec.sampling import SamplingParams
-from train import checkpoint
+from train import checkpoint, speedup
 from train.config import DistillConfig, save_config
 
 
@@ -239,7 +239,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
         if mixer is not None:
             mixer.load(resume_from[1])
         if accelerator.is_main_process:  # records past the checkpoint will be written again
-            for name in ("metrics.jsonl", "losses.jsonl"):
+            for name in ("metrics.jsonl", "losses.jsonl", "speedup.jsonl"):
                 _truncate_log(run_dir / name, step)
         print0(accelerator, f"resuming from {resume_from[1]} (step {step})")
     elif accelerator.is_main_process:
@@ -310,6 +310,8 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
                     _log(run_dir / "metrics.jsonl", record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", alpha=f"{metrics['acceptance_rate']:.3f}")
                 window_loss, window_tokens, t0 = 0.0, 0, time.perf_counter()
+            if cfg.eval_speedup_steps and step % cfg.eval_speedup_steps == 0:
+                _speedup_during_training(cfg, accelerator, run_dir, step, draft, target, tokenizer)
             if step % cfg.save_steps == 0 or step == cfg.max_steps:
                 _save(accelerator, cfg, run_dir, step, draft, tokenizer, mixer)
             if step >= cfg.max_steps or step == stop_at_step:
@@ -377,6 +379,44 @@ def _save(accelerator: Accelerator, cfg: DistillConfig, run_dir: Path, step: int
             mixer.save(tmp)
         info = {"step": step, "target": cfg.target, "draft_init": cfg.draft_init, "config": dataclasses.asdict(cfg)}
         checkpoint.commit(run_dir, tmp, step, info, cfg.keep_last)
+    accelerator.wait_for_everyone()
+
+
+def _speedup_during_training(
+    cfg: DistillConfig, accelerator: Accelerator, run_dir: Path, step: int, draft, target, tokenizer
+) -> None:
+    """Measure the current draft's real speedup (greedy) on the main process; the others wait."""
+    if accelerator.is_main_process:
+        prompts_file = ddata.EVAL_PROMPTS if cfg.eval_prompts == "builtin" else cfg.eval_prompts
+        prompts = read_prompts(prompts_file)[: cfg.eval_limit]
+        model = accelerator.unwrap_model(draft)
+        was_training = model.training
+        model.eval()
+        result = speedup.measure_draft(
+            target,
+            model,
+            tokenizer,
+            prompts,
+            cfg.eval_gammas,
+            0.0,
+            eos_token_ids(target, tokenizer),
+            cfg.eval_max_new_tokens,
+            progress=False,
+        )
+        model.train(was_training)
+        record = {
+            "step": step,
+            "speedup": result["speedup"],
+            "spec_acceptance_rate": result["acceptance_rate"],
+            "best_gamma": result["best_gamma"],
+            "mean_accepted_tokens": result["mean_accepted_tokens"],
+            "greedy_match": result["greedy_match"],
+        }
+        _log(run_dir / "speedup.jsonl", record)
+        tqdm.write(
+            f"step {step}: measured speedup {result['speedup']:.2f} at gamma {result['best_gamma']} "
+            f"(alpha {result['acceptance_rate']:.3f})"
+        )
     accelerator.wait_for_everyone()
 
 

@@ -21,8 +21,9 @@ EVAL = ["--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12", "--gamma
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "run"
-    cfg = load_config(DistillConfig, TINY, [f"output_dir={out}", "max_steps=4", "save_steps=2", "log_steps=2",
-                                            "keep_last=2"])
+    cfg = load_config(
+        DistillConfig, TINY, [f"output_dir={out}", "max_steps=4", "save_steps=2", "log_steps=2", "keep_last=2"]
+    )
     return train(cfg)
 
 
@@ -99,8 +100,24 @@ def test_push_without_credentials_keeps_the_local_folder(tmp_path, run_dir, caps
 
 
 def test_quickstart_end_to_end_on_the_tiny_config(tmp_path, capsys):
-    code = main(["quickstart", "--output-dir", str(tmp_path / "qs"), "--config", TINY, "--eval-limit", "2",
-                 "--max-new-tokens", "12", "--gammas", "1,2", "max_steps=4", "save_steps=2", "log_steps=2"])
+    code = main(
+        [
+            "quickstart",
+            "--output-dir",
+            str(tmp_path / "qs"),
+            "--config",
+            TINY,
+            "--eval-limit",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--gammas",
+            "1,2",
+            "max_steps=4",
+            "save_steps=2",
+            "log_steps=2",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     best = json.loads((tmp_path / "qs" / "run" / "best.json").read_text())["checkpoint"]

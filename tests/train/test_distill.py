@@ -187,3 +187,13 @@ def test_on_policy_mixing_changes_training_and_resumes_exactly(tmp_path):
     train(cfg)
     c = read_jsonl(cfg_run(cfg) / "losses.jsonl")
     assert [x["loss"] for x in c] == pytest.approx([x["loss"] for x in b], rel=1e-5)
+
+
+def test_speedup_measured_during_training(tmp_path):
+    run = train(tiny_cfg(tmp_path, max_steps=4, save_steps=4, log_steps=2, eval_speedup_steps=2, eval_limit=2,
+                         eval_max_new_tokens=10, eval_gammas="[1, 2]"))
+    records = read_jsonl(run / "speedup.jsonl")
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        assert r["greedy_match"] == 1.0 and r["best_gamma"] in (1, 2) and r["speedup"] > 0
+        assert 1.0 <= r["mean_accepted_tokens"] <= 3.0
