@@ -26,8 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 quickstart: setup
-	$(VENV)/bin/draftsmith eval --target smollm2-135m-instruct --draft truncate:2 \
-		--prompts distill/data/eval_prompts.jsonl --max-new-tokens 64 --repeats 1 --json quickstart/eval.json
+	$(VENV)/bin/draftsmith quickstart --output-dir quickstart
 
 test: setup
 	$(PY) -m pytest -q
