@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -105,3 +106,29 @@ def measure_cost_ratio(target: PreTrainedModel, draft: PreTrainedModel, prompt_l
         step_time[name] = stats.verify_time / stats.rounds
         model.train(was_training)
     return step_time["draft"] / step_time["target"]
+
+
+def load_draft(spec: str, target: PreTrainedModel, device: torch.device, dtype: torch.dtype):
+    """A draft to evaluate, by spec: ``self`` (the target), ``truncate:LAYERS`` or ``early_exit:K`` of the
+    target (untrained), an early-exit checkpoint folder, or any model ``load_model`` takes."""
+    from distill.early_exit import EarlyExitDraft, is_early_exit
+    from specdec.loading import load_model
+
+    if spec == "self":
+        return target
+    if spec.startswith("truncate:"):
+        return truncate_target(target, spec.split(":", 1)[1])
+    if spec.startswith("early_exit:"):
+        return EarlyExitDraft(target, int(spec.split(":", 1)[1])).eval()
+    if is_early_exit(Path(spec)):
+        return EarlyExitDraft.load(Path(spec), target)
+    return load_model(spec, device, dtype)
+
+
+def draft_decoder(draft, kv_reuse: bool = True):
+    """The speculative decoder for ``draft``: with KV reuse for an early-exit draft, else the standalone one."""
+    from distill.early_exit import EarlyExitDraft
+    from specdec.decoder import speculative_generate
+    from specdec.self_spec import self_speculative_generate
+
+    return self_speculative_generate if kv_reuse and isinstance(draft, EarlyExitDraft) else speculative_generate

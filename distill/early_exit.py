@@ -89,8 +89,19 @@ class EarlyExitDraft(nn.Module):
             )
         return hidden
 
-    def exit_logits(self, hidden, position_ids, cache: Cache | None, attention_mask=None, logits_to_keep: int = 0):
-        """Draft logits from the layer-k hidden states (B, Q, H) -> (B, K, V); writes the adapter's cache."""
+    def exit_logits(
+        self,
+        hidden,
+        position_ids,
+        cache: Cache | None,
+        attention_mask=None,
+        logits_to_keep: int = 0,
+        with_head: bool = True,
+    ):
+        """Draft logits from the layer-k hidden states (B, Q, H) -> (B, K, V); writes the adapter's cache.
+
+        with_head=False only updates the adapter's cache (a token the draft must see but not predict from).
+        """
         if self.adapter is not None:
             mask = self._mask(hidden, attention_mask, cache, position_ids, self.config.num_hidden_layers - 1)
             rotary = self.target.get_decoder().rotary_emb(hidden, position_ids=position_ids)
@@ -102,6 +113,8 @@ class EarlyExitDraft(nn.Module):
                 cache=cache,
                 use_cache=cache is not None,
             )
+        if not with_head:
+            return None
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return self.target.get_output_embeddings()(self.norm(hidden))

@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
+from distill.draft_init import draft_decoder, load_draft
+from distill.early_exit import EarlyExitDraft
 from specdec.cache import CACHE_KINDS
 from specdec.errors import DraftsmithError
 from specdec.evaluate import evaluate_pair, format_table
@@ -90,17 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_draft(spec: str, target, device: torch.device, dtype: torch.dtype):
-    """A draft by spec: a model to load, ``self``, or ``truncate:LAYERS`` of the target."""
-    from distill.draft_init import truncate_target
-
-    if spec == "self":
-        return target
-    if spec.startswith("truncate:"):
-        return truncate_target(target, spec.split(":", 1)[1])
-    return load_model(spec, device, dtype)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
@@ -117,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, device, dtype)
     draft = load_draft(args.draft, target, device, dtype)
-    if args.draft not in ("self",) and not args.draft.startswith("truncate:"):
+    early_exit = isinstance(draft, EarlyExitDraft)
+    if args.draft != "self" and not args.draft.startswith(("truncate:", "early_exit:")) and not early_exit:
         check_compatible(tokenizer, load_tokenizer(args.draft), target.config.vocab_size, draft.config.vocab_size)
+    if early_exit and args.compare_hf:
+        raise DraftsmithError("--compare-hf needs a standalone draft; an early-exit draft shares the target's layers")
+    kv_reuse = early_exit and not args.no_kv_reuse
 
     report = evaluate_pair(
         target,
@@ -137,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         draft_greedy=args.draft_greedy,
         compare_hf=args.compare_hf,
         progress=not args.no_progress,
+        decode=draft_decoder(draft, kv_reuse),
     )
     report.update(
+        kv_reuse=kv_reuse,
         target=args.target,
         draft=args.draft,
         device=str(device),

@@ -8,8 +8,12 @@ from pathlib import Path
 import torch
 import yaml
 
+from distill.draft_init import draft_decoder, load_draft
+from distill.early_exit import META as EE_META
+from distill.early_exit import WEIGHTS as EE_WEIGHTS
+from distill.early_exit import is_early_exit
 from specdec.errors import DraftsmithError
-from specdec.loading import eos_token_ids, load_model, resolve_device
+from specdec.loading import eos_token_ids, resolve_device
 from specdec.prompts import read_prompts
 from train import speedup
 from train.config import DistillConfig
@@ -99,13 +103,25 @@ def run(
         for temp in temperatures:
             if str(temp) in report["results"].get(name, {}):
                 continue
-            missing = [f for f in ("config.json", "model.safetensors") if not (folder / f).is_file()]
+            needed = (EE_META, EE_WEIGHTS) if is_early_exit(folder) else ("config.json", "model.safetensors")
+            missing = [f for f in needed if not (folder / f).is_file()]
             if missing:
                 raise DraftsmithError(f"{folder} is missing {', '.join(missing)}; it is not a complete checkpoint")
-            draft = load_model(str(folder), dev, torch.float32)
+            draft = load_draft(str(folder), target, dev, torch.float32)
             print(f"measuring {name} at temperature {temp}")
             result = speedup.measure_draft(
-                target, draft, tokenizer, prompts, gammas, temp, eos, max_new_tokens, repeats, cfg.seed, progress
+                target,
+                draft,
+                tokenizer,
+                prompts,
+                gammas,
+                temp,
+                eos,
+                max_new_tokens,
+                repeats,
+                cfg.seed,
+                progress,
+                decode=draft_decoder(draft),
             )
             report["results"].setdefault(name, {})[str(temp)] = {"step": step, **result}
             speedup.write_report(run_dir, report)  # after each draft, so an interruption loses nothing

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from distill.early_exit import is_early_exit
 from specdec.decoder import target_generate
 from specdec.errors import DraftsmithError
 from specdec.loading import check_compatible, load_model, load_tokenizer
@@ -56,6 +57,11 @@ def resolve_checkpoint(path: Path) -> Path:
         path = path / json.loads((path / "best.json").read_text())["checkpoint"]
     if not path.is_dir():
         raise DraftsmithError(f"checkpoint not found: {path}")
+    if is_early_exit(path):
+        raise DraftsmithError(
+            f"{path} is an early-exit draft: it shares the target's layers and is not a standalone model, so "
+            "transformers and vLLM cannot load it as an assistant; evaluate it with draftsmith eval / eval-run"
+        )
     missing = [f for f in ("config.json", "model.safetensors", checkpoint.MARKER) if not (path / f).is_file()]
     if missing:
         raise DraftsmithError(f"{path} is missing {', '.join(missing)}: not a complete draftsmith checkpoint")

@@ -112,8 +112,13 @@ def evaluate_pair(
     draft_greedy: bool = False,
     compare_hf: bool = False,
     progress: bool = True,
+    decode=speculative_generate,
 ) -> dict:
-    """Run the baseline and the speculative decoder side by side; return the report as a dict."""
+    """Run the baseline and the speculative decoder side by side; return the report as a dict.
+
+    decode: the speculative decoder (``speculative_generate``, or ``self_spec.self_speculative_generate``
+    for an early-exit draft that shares the target's cache); both take the same arguments.
+    """
     if gamma < 1:
         raise DraftsmithError(f"gamma must be >= 1, got {gamma}")
     if batch_size < 1:
@@ -132,7 +137,7 @@ def evaluate_pair(
         return ids
 
     def run_spec(batch_ids):
-        return speculative_generate(
+        return decode(
             target,
             draft,
             batch_ids,

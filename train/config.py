@@ -20,8 +20,9 @@ class DistillConfig:
     # models
     target: str = "smollm2-135m-instruct"  # folder, .gguf, hub id, alias, or "tiny" (a random model from tiny_target)
     tiny_target: dict = field(default_factory=dict)  # LlamaConfig fields for target "tiny"
-    draft_init: str = "truncate"  # truncate | config | pretrained
-    draft_layers: str = "2"  # truncate: a count ("2") or indices ("0,1,29")
+    draft_init: str = "truncate"  # truncate | config | pretrained | early_exit
+    draft_layers: str = "2"  # truncate: a count ("2") or indices ("0,1,29"); early_exit: k, the shared layers
+    early_exit_adapter: bool = True  # early_exit: a trainable decoder layer (from the target's layer k) in the head
     draft_config: dict = field(default_factory=dict)  # config: fields overriding the target's config
     draft_model: str | None = None  # pretrained: a small model with the target's tokenizer (folder, hub id, .gguf)
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank instead of the full draft
@@ -76,9 +77,10 @@ class DistillConfig:
     def __post_init__(self) -> None:
         checks = [
             (
-                self.draft_init in ("truncate", "config", "pretrained"),
-                "draft_init must be truncate, config or pretrained",
+                self.draft_init in ("truncate", "config", "pretrained", "early_exit"),
+                "draft_init must be truncate, config, pretrained or early_exit",
             ),
+            (self.draft_init != "early_exit" or self.lora_r == 0, "early_exit drafts do not take lora_r"),
             (self.draft_init != "pretrained" or bool(self.draft_model), "draft_init pretrained needs draft_model"),
             (self.lora_r >= 0, "lora_r must be >= 0"),
             (self.teacher_top_k >= 1, "teacher_top_k must be >= 1"),

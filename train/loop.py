@@ -26,7 +26,15 @@ from transformers import get_cosine_schedule_with_warmup
 
 from distill import data as ddata
 from distill import teacher_cache
-from distill.draft_init import add_lora, count_parameters, measure_cost_ratio, new_config_draft, truncate_target
+from distill.draft_init import (
+    add_lora,
+    count_parameters,
+    draft_decoder,
+    measure_cost_ratio,
+    new_config_draft,
+    truncate_target,
+)
+from distill.early_exit import EarlyExitDraft
 from distill.losses import acceptance_probability, cross_entropy, token_losses
 from distill.on_policy import OnPolicyMixer, example_prompt
 from distill.tiny import tiny_target
@@ -59,6 +67,9 @@ def build_models(cfg: DistillConfig, device: torch.device):
     target, tokenizer = load_target(cfg, device)
     if cfg.draft_init == "truncate":
         draft = truncate_target(target, cfg.draft_layers)
+    elif cfg.draft_init == "early_exit":
+        draft = EarlyExitDraft(target, _early_exit_k(cfg.draft_layers), adapter=cfg.early_exit_adapter)
+        return target, tokenizer, draft.train()  # its shared layers, embeddings and head are the target's, frozen
     elif cfg.draft_init == "config":
         draft = new_config_draft(target, cfg.draft_config)
     else:
@@ -251,7 +262,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
         if accelerator.is_main_process:
             _log(run_dir / "metrics.jsonl", {"step": 0, **initial})
             tmp = checkpoint.begin(run_dir, "initial")
-            _write_draft(accelerator.unwrap_model(draft), state, tokenizer, tmp)
+            _write_draft(accelerator.unwrap_model(draft), state, tokenizer, tmp, cfg.target)
             checkpoint.commit_initial(
                 run_dir, tmp, {"step": 0, "target": cfg.target, "config": dataclasses.asdict(cfg)}
             )
@@ -374,7 +385,7 @@ def _save(accelerator: Accelerator, cfg: DistillConfig, run_dir: Path, step: int
     accelerator.save_state(str(tmp / "state"))
     state = accelerator.get_state_dict(draft)  # gathers a sharded (FSDP) draft; every process takes part
     if accelerator.is_main_process:
-        _write_draft(accelerator.unwrap_model(draft), state, tokenizer, tmp)
+        _write_draft(accelerator.unwrap_model(draft), state, tokenizer, tmp, cfg.target)
         if mixer is not None:
             mixer.save(tmp)
         info = {"step": step, "target": cfg.target, "draft_init": cfg.draft_init, "config": dataclasses.asdict(cfg)}
@@ -402,6 +413,7 @@ def _speedup_during_training(
             eos_token_ids(target, tokenizer),
             cfg.eval_max_new_tokens,
             progress=False,
+            decode=draft_decoder(model),
         )
         model.train(was_training)
         record = {
@@ -420,8 +432,23 @@ def _speedup_during_training(
     accelerator.wait_for_everyone()
 
 
-def _write_draft(model, state: dict | None, tokenizer, folder: Path) -> None:
-    """The draft as a Hugging Face model folder (a LoRA draft: its adapter, plus a merged copy)."""
+def _early_exit_k(layers: str) -> int:
+    try:
+        return int(layers)
+    except ValueError as err:
+        raise DraftsmithError(f"draft_init early_exit takes draft_layers as a layer count k, got {layers!r}") from err
+
+
+def _write_draft(model, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
+    """The draft as a Hugging Face model folder (a LoRA draft: its adapter, plus a merged copy).
+
+    An early-exit draft is not a standalone model: its folder holds the exit head and a reference to
+    the target and k.
+    """
+    if isinstance(model, EarlyExitDraft):
+        model.save(folder, target_name)
+        tokenizer.save_pretrained(folder)
+        return
     if isinstance(model, PeftModel):
         model.save_pretrained(folder / "adapter")
         model, state = copy.deepcopy(model).merge_and_unload(), None
@@ -435,6 +462,7 @@ _RESUME_KEYS = (
     "draft_init",
     "draft_layers",
     "draft_config",
+    "early_exit_adapter",
     "freeze_embeddings",
     "data",
     "dataset",

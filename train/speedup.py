@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.decoder import speculative_generate
 from specdec.evaluate import evaluate_pair, predicted_speedup
 from specdec.prompts import Prompt
 from specdec.sampling import SamplingParams
@@ -37,6 +38,7 @@ def measure_draft(
     repeats: int = 1,
     seed: int = 0,
     progress: bool = True,
+    decode=speculative_generate,
 ) -> dict:
     """The best gamma for one draft at one temperature, and alpha, tau, c, v and the speedup measured there."""
     base = 4 if 4 in gammas else sorted(gammas)[len(gammas) // 2]

@@ -126,3 +126,37 @@ def test_quickstart_end_to_end_on_the_tiny_config(tmp_path, capsys):
     assert (tmp_path / "qs" / "draft" / "README.md").is_file()
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "qs" / "draft")
     assert draft.config.num_hidden_layers == 1  # configs/tiny.yaml truncates to one layer
+
+
+def test_early_exit_draft_trains_evaluates_with_kv_reuse_and_is_not_published(tmp_path, capsys):
+    cfg = load_config(
+        DistillConfig,
+        TINY,
+        [
+            f"output_dir={tmp_path / 'ee'}",
+            "draft_init=early_exit",
+            "draft_layers=2",
+            "max_steps=4",
+            "save_steps=4",
+            "log_steps=2",
+        ],
+    )
+    run = train(cfg)
+    ckpt = run / "checkpoint-4"
+    assert sorted(p.name for p in ckpt.iterdir() if p.suffix in (".json", ".safetensors")) == [
+        "draftsmith.json",
+        "early_exit.json",
+        "exit_head.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert json.loads((ckpt / "early_exit.json").read_text()) == {"target": "tiny", "k": 2, "adapter": True}
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["acceptance_rate"] != metrics[0]["acceptance_rate"]
+
+    assert main(["eval-run", str(run), *EVAL]) == 0
+    report = json.loads((run / "speedup_report.json").read_text())
+    assert report["results"]["checkpoint-4"]["0.0"]["greedy_match"] == 1.0
+
+    assert main(["publish", str(ckpt), "--out", str(tmp_path / "pub")]) == 2
+    assert "is an early-exit draft" in capsys.readouterr().err

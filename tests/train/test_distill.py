@@ -190,8 +190,18 @@ def test_on_policy_mixing_changes_training_and_resumes_exactly(tmp_path):
 
 
 def test_speedup_measured_during_training(tmp_path):
-    run = train(tiny_cfg(tmp_path, max_steps=4, save_steps=4, log_steps=2, eval_speedup_steps=2, eval_limit=2,
-                         eval_max_new_tokens=10, eval_gammas="[1, 2]"))
+    run = train(
+        tiny_cfg(
+            tmp_path,
+            max_steps=4,
+            save_steps=4,
+            log_steps=2,
+            eval_speedup_steps=2,
+            eval_limit=2,
+            eval_max_new_tokens=10,
+            eval_gammas="[1, 2]",
+        )
+    )
     records = read_jsonl(run / "speedup.jsonl")
     assert [r["step"] for r in records] == [2, 4]
     for r in records:

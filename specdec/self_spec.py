@@ -1,0 +1,157 @@
+"""Self-speculative decoding with KV reuse: the draft is the target's first k layers plus an exit head
+(``distill.early_exit.EarlyExitDraft``), and draft and target share one cache for those layers.
+
+One round, batch size 1 (SPEC.md section 2, KV reuse (b)):
+
+1. draft   each fed token runs the shared layers 0..k-1 (writing their cache, keeping the layer-k
+           hidden state) and the exit head, which proposes the next token;
+2. verify  the last proposal runs the shared layers too; then the target runs only its layers
+           k..L-1 over the layer-k states of ``[x_n, d_1 .. d_g]``: one forward of L-k layers;
+3. accept / correct exactly as ``decoder.speculative_generate`` (same ``sampling`` functions);
+4. rollback every layer holds the same positions after a round, so one crop of the shared cache.
+
+The draft's keys and values for layers 0..k-1 are exactly those the target would compute (same
+weights, same inputs), so the output is the target's: greedy identical, sampling exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+from transformers.masking_utils import create_causal_mask
+
+from specdec.cache import SlotCache
+from specdec.decoder import DecodeStats, _check_prompts, _choose, _Clock, _Outputs
+from specdec.errors import DraftsmithError
+from specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits, sample
+
+
+def _upper_logits(
+    target: PreTrainedModel, k: int, hidden: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int = 0
+) -> torch.Tensor:
+    """The target's layers k..L-1, norm and head over layer-k hidden states (1, Q, H) -> (1, K, V)."""
+    decoder = target.get_decoder()
+    mask = create_causal_mask(
+        config=target.config,
+        inputs_embeds=hidden,
+        attention_mask=None,
+        cache=cache,
+        position_ids=positions,
+        layer_idx=k,
+    )
+    rotary = decoder.rotary_emb(hidden, position_ids=positions)
+    for layer in decoder.layers[k:]:
+        hidden = layer(
+            hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions, cache=cache, use_cache=True
+        )
+    if logits_to_keep:
+        hidden = hidden[:, -logits_to_keep:]
+    return target.get_output_embeddings()(decoder.norm(hidden))
+
+
+@torch.inference_mode()
+def self_speculative_generate(
+    target: PreTrainedModel,
+    draft,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    gamma: int = 4,
+    sampling: SamplingParams = SamplingParams(),
+    eos_ids: set[int] | frozenset[int] = frozenset(),
+    generator: torch.Generator | None = None,
+    cache_kind: str | None = None,
+    draft_greedy: bool = False,
+    confidence_threshold: float | None = None,
+) -> tuple[list[list[int]], DecodeStats]:
+    """Speculative decoding of one prompt with an early-exit draft that shares the target's cache."""
+    _check_prompts(prompts, max_new_tokens)
+    if len(prompts) != 1:
+        raise DraftsmithError("KV reuse decodes one sequence at a time; use --batch-size 1 or --no-kv-reuse")
+    if cache_kind not in (None, "slot"):
+        raise DraftsmithError("KV reuse uses the slot cache; drop --cache or use --no-kv-reuse")
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    device, k = target.device, draft.k
+    stats = DecodeStats(batch_size=1, seq_proposed=[0], seq_accepted=[0])
+    clock = _Clock(device)
+    start = clock.last
+    out = _Outputs(1, max_new_tokens, set(eos_ids))
+    prompt = prompts[0]
+    cache = SlotCache(draft.config.num_hidden_layers, len(prompt) + max_new_tokens + gamma + 2)
+
+    def positions(first: int, count: int) -> torch.Tensor:
+        return torch.arange(first, first + count, device=device)[None]
+
+    # Prefill: the shared layers once, then the adapter and the target's upper layers on top.
+    ids = torch.tensor([prompt], device=device)
+    pos = positions(0, len(prompt))
+    hidden = draft.lower(ids, pos, cache)
+    draft.exit_logits(hidden, pos, cache, with_head=False)
+    logits = _upper_logits(target, k, hidden, pos, cache, logits_to_keep=1)[:, -1]
+    stats.target_forwards += 1
+    stats.draft_forwards += 1
+    stats.new_tokens += out.emit(0, _choose(logits, sampling, generator).tolist())
+    stats.prefill_time += clock.lap()
+
+    while not out.done[0]:
+        committed = len(prompt) + len(out.tokens[0])
+        budget = min(gamma, out.remaining(0) - 1)
+        # 1. Draft: every fed token's layer-k state is kept for the verification.
+        feed, states, drafted, probs = out.tokens[0][-1], [], [], []
+        for i in range(budget):
+            pos = positions(committed - 1 + i, 1)
+            h = draft.lower(torch.tensor([[feed]], device=device), pos, cache)
+            states.append(h)
+            q_logits = draft.exit_logits(h, pos, cache, logits_to_keep=1)[:, -1]  # (1, V)
+            if sampling.greedy or draft_greedy:
+                token = q_logits.argmax(-1)
+                q = None
+            else:
+                q = process_logits(q_logits, sampling)
+                token = sample(q, generator)
+                probs.append(q)
+            drafted.append(token)
+            feed = int(token)
+            if confidence_threshold is not None:
+                if q is None:
+                    q = q_logits.float().softmax(-1) if sampling.greedy else process_logits(q_logits, sampling)
+                if float(q.max()) < confidence_threshold:
+                    break
+        stats.draft_forwards += len(drafted)
+        stats.draft_time += clock.lap()
+
+        # 2. Verify: the last token through the shared layers, then the target's upper layers only.
+        g = len(drafted)
+        pos = positions(committed - 1 + g, 1)
+        h = draft.lower(torch.tensor([[feed]], device=device), pos, cache)
+        draft.exit_logits(h, pos, cache, with_head=False)
+        states.append(h)
+        target_logits = _upper_logits(target, k, torch.cat(states, 1), positions(committed - 1, g + 1), cache)
+        stats.target_forwards += 1
+        stats.verify_time += clock.lap()
+
+        # 3-4. Accept and correct.
+        d = torch.stack(drafted, 1) if g else torch.zeros(1, 0, dtype=torch.long, device=device)
+        n_proposed = torch.tensor([g], device=device)
+        if sampling.greedy:
+            n_accepted, next_token = accept_greedy(d, target_logits, n_proposed)
+        else:
+            q = None if (draft_greedy or g == 0) else torch.stack(probs, 1)
+            n_accepted, next_token = accept_sampled(
+                d, q, process_logits(target_logits, sampling), n_proposed, generator
+            )
+        n = int(n_accepted)
+        kept = out.emit(0, d[0, :n].tolist() + [int(next_token)])
+        stats.new_tokens += kept
+        stats.round_tokens += kept
+        stats.proposed += g
+        stats.accepted += n
+        stats.seq_proposed[0] += g
+        stats.seq_accepted[0] += n
+        # 5. Rollback: every layer holds [.., x_n, d_1 .. d_g]; keep up to d_n (the new token is pending).
+        cache.crop(-(g - n))
+        stats.rounds += 1
+        stats.seq_rounds += 1
+        stats.other_time += clock.lap()
+    stats.total_time = clock.now() - start
+    return out.tokens, stats
