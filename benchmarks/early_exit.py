@@ -1,0 +1,80 @@
+"""Early-exit drafts with and without KV reuse, and a standalone truncated draft, side by side.
+
+On the default target, greedy, the same prompts: (1) an early-exit draft (--early-exit: a checkpoint of
+configs/smollm2-135m-early-exit.yaml, or early_exit:K untrained) decoded with the shared cache, (2) the
+same draft with reuse off (the full target verifies), (3) a standalone truncated draft (--truncated:
+a checkpoint, or truncate:N). Each measured against the target-only decoder in the same run.
+Prints alpha, tau, c, v and speedup for each.
+
+Run: .venv/bin/python benchmarks/early_exit.py --early-exit runs/smollm2-135m-early-exit/checkpoint-100 \
+         --truncated quickstart/draft
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import PROMPTS, default_target, save
+
+from distill.draft_init import draft_decoder, load_draft
+from specdec.evaluate import evaluate_pair
+from specdec.prompts import read_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--early-exit", default="early_exit:4")
+    parser.add_argument("--truncated", default="truncate:2")
+    parser.add_argument("--gamma", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    target, tokenizer, eos = default_target()
+    prompts = read_prompts(PROMPTS)[: args.prompts]
+    early = load_draft(args.early_exit, target, target.device, torch.float32)
+    truncated = load_draft(args.truncated, target, target.device, torch.float32)
+    rows = {
+        "early-exit, KV reuse": (early, draft_decoder(early, kv_reuse=True)),
+        "early-exit, full verification": (early, draft_decoder(early, kv_reuse=False)),
+        "truncated, standalone": (truncated, draft_decoder(truncated)),
+    }
+    result = {}
+    for name, (draft, decode) in rows.items():
+        r = evaluate_pair(
+            target,
+            draft,
+            tokenizer,
+            prompts,
+            gamma=args.gamma,
+            max_new_tokens=args.max_new_tokens,
+            eos_ids=eos,
+            repeats=args.repeats,
+            decode=decode,
+            progress=False,
+        )
+        result[name] = {
+            k: r[k]
+            for k in (
+                "acceptance_rate",
+                "mean_accepted_tokens",
+                "cost_ratio_c",
+                "verify_ratio_v",
+                "speedup",
+                "predicted_speedup",
+                "greedy_match",
+            )
+        }
+        print(
+            f"{name:<32} alpha {r['acceptance_rate']:.3f}  tau {r['mean_accepted_tokens']:.2f}  "
+            f"c {r['cost_ratio_c']:.3f}  v {r['verify_ratio_v']:.3f}  speedup {r['speedup']:.3f}  "
+            f"(predicted {r['predicted_speedup']:.3f}, greedy match {r['greedy_match']:.0%})"
+        )
+    save(
+        "early_exit", {"gamma": args.gamma, "early_exit": args.early_exit, "truncated": args.truncated, "rows": result}
+    )
+
+
+if __name__ == "__main__":
+    main()
