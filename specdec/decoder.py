@@ -145,6 +145,49 @@ def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
     return sample(process_logits(logits, params), generator)
 
 
+def propose(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    draft_greedy: bool,
+    confidence_threshold: float | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One draft step from draft logits (B, V): (token (B,), q (B, V) or None, confident (B,) bool or None).
+
+    q is the processed distribution the token was drawn from, None when the draft chose its argmax
+    (q is then one-hot). ``confident`` is whether ``max q`` reaches the threshold (dynamic gamma).
+    """
+    if sampling.greedy or draft_greedy:
+        token, q = logits.argmax(-1), None
+    else:
+        q = process_logits(logits, sampling)
+        token = sample(q, generator)
+    if confidence_threshold is None:
+        return token, q, None
+    judged = q
+    if judged is None:  # confidence is judged on the processed distribution, as when sampling
+        judged = logits.float().softmax(-1) if sampling.greedy else process_logits(logits, sampling)
+    return token, q, judged.max(-1).values >= confidence_threshold
+
+
+def accept(
+    drafted: torch.Tensor,
+    draft_probs: list[torch.Tensor],
+    target_logits: torch.Tensor,
+    n_proposed: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 3-4 of a round: (n_accepted (B,), next token (B,)) by the greedy or the sampling rule.
+
+    drafted (B, G); draft_probs: the q of each step, empty when the draft chose greedily.
+    """
+    if sampling.greedy:
+        return accept_greedy(drafted, target_logits, n_proposed)
+    q = torch.stack(draft_probs, 1) if draft_probs else None
+    return accept_sampled(drafted, q, process_logits(target_logits, sampling), n_proposed, generator)
+
+
 def _check_prompts(prompts: list[list[int]], max_new_tokens: int) -> None:
     if not prompts:
         raise ValueError("no prompts to decode")
@@ -309,12 +352,7 @@ def speculative_generate(
         stats.verify_time += clock.lap()
 
         # 3-4. Accept and correct.
-        if sampling.greedy:
-            n_accepted, next_token = accept_greedy(d, target_logits, n_proposed)
-        else:
-            probs = process_logits(target_logits, sampling)
-            q = None if (draft_greedy or g == 0) else torch.stack(draft_probs, 1)
-            n_accepted, next_token = accept_sampled(d, q, probs, n_proposed, generator)
+        n_accepted, next_token = accept(d, draft_probs, target_logits, n_proposed, sampling, generator)
 
         # 5. Emit, then roll both caches back to what each must hold.
         n_acc, n_prop, nxt, d_list = n_accepted.tolist(), n_proposed.tolist(), next_token.tolist(), d.tolist()
@@ -373,19 +411,13 @@ def _draft(
     probs: list[torch.Tensor] = []
     for i in range(int(budget.max())):
         logits = stream.forward(step_in, step_valid, logits_to_keep=1)[:, -1]  # (B, V)
-        if sampling.greedy or draft_greedy:
-            token = logits.argmax(-1)
-            q = None  # q is one-hot at the argmax; the verifier needs no distribution
-        else:
-            q = process_logits(logits, sampling)
-            token = sample(q, generator)
+        token, q, confident = propose(logits, sampling, draft_greedy, confidence_threshold, generator)
+        if q is not None:
             probs.append(q)
         drafted.append(token)
         n_proposed += active.long()
-        if confidence_threshold is not None:
-            if q is None:  # confidence is judged on the processed distribution, as when sampling
-                q = logits.float().softmax(-1) if sampling.greedy else process_logits(logits, sampling)
-            active &= q.max(-1).values >= confidence_threshold
+        if confident is not None:
+            active &= confident
         active &= budget > i + 1
         if not bool(active.any()):
             break

@@ -21,9 +21,9 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
 from specdec.cache import SlotCache
-from specdec.decoder import DecodeStats, _check_prompts, _choose, _Clock, _Outputs
+from specdec.decoder import DecodeStats, _check_prompts, _choose, _Clock, _Outputs, accept, propose
 from specdec.errors import DraftsmithError
-from specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits, sample
+from specdec.sampling import SamplingParams
 
 
 def _upper_logits(
@@ -103,20 +103,13 @@ def self_speculative_generate(
             h = draft.lower(torch.tensor([[feed]], device=device), pos, cache)
             states.append(h)
             q_logits = draft.exit_logits(h, pos, cache, logits_to_keep=1)[:, -1]  # (1, V)
-            if sampling.greedy or draft_greedy:
-                token = q_logits.argmax(-1)
-                q = None
-            else:
-                q = process_logits(q_logits, sampling)
-                token = sample(q, generator)
+            token, q, confident = propose(q_logits, sampling, draft_greedy, confidence_threshold, generator)
+            if q is not None:
                 probs.append(q)
             drafted.append(token)
             feed = int(token)
-            if confidence_threshold is not None:
-                if q is None:
-                    q = q_logits.float().softmax(-1) if sampling.greedy else process_logits(q_logits, sampling)
-                if float(q.max()) < confidence_threshold:
-                    break
+            if confident is not None and not bool(confident):
+                break
         stats.draft_forwards += len(drafted)
         stats.draft_time += clock.lap()
 
@@ -133,13 +126,7 @@ def self_speculative_generate(
         # 3-4. Accept and correct.
         d = torch.stack(drafted, 1) if g else torch.zeros(1, 0, dtype=torch.long, device=device)
         n_proposed = torch.tensor([g], device=device)
-        if sampling.greedy:
-            n_accepted, next_token = accept_greedy(d, target_logits, n_proposed)
-        else:
-            q = None if (draft_greedy or g == 0) else torch.stack(probs, 1)
-            n_accepted, next_token = accept_sampled(
-                d, q, process_logits(target_logits, sampling), n_proposed, generator
-            )
+        n_accepted, next_token = accept(d, probs, target_logits, n_proposed, sampling, generator)
         n = int(n_accepted)
         kept = out.emit(0, d[0, :n].tolist() + [int(next_token)])
         stats.new_tokens += kept
