@@ -22,6 +22,7 @@ from specdec.loading import (
 )
 from specdec.prompts import read_prompts
 from specdec.sampling import SamplingParams
+from specdec.self_spec import measure_verify_saving
 
 DESCRIPTION = """Measure how much faster a draft makes a target: acceptance rate, mean accepted tokens (tau),
 tokens/s of the target alone and of speculative decoding (interleaved, median over repeats), the
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache", choices=CACHE_KINDS, default=None, help="KV cache kind (default: slot on CPU, static on CUDA)"
     )
     p.add_argument(
+        "--no-kv-reuse",
+        action="store_true",
+        help="early-exit drafts: run the full target over the candidates instead of reusing the draft's KV",
+    )
+    p.add_argument(
         "--compare-hf",
         action="store_true",
         help="also time transformers generate and assisted generation on the same prompts",
@@ -132,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         decode=draft_decoder(draft, kv_reuse),
     )
+    if early_exit:
+        report.update(measure_verify_saving(target, draft, args.gamma))
     report.update(
         kv_reuse=kv_reuse,
         target=args.target,
@@ -141,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         prompts_file=str(args.prompts),
     )
     print(format_table(report))
+    if early_exit:
+        print(
+            f"verification pass over {args.gamma + 1} tokens: "
+            f"{report['verify_s_kv_reuse'] * 1e3:.1f} ms with KV reuse, "
+            f"{report['verify_s_full'] * 1e3:.1f} ms with the full target ({report['verify_time_saved']:.1%} saved); "
+            f"this run {'reused' if kv_reuse else 'did not reuse'} the draft's KV"
+        )
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)

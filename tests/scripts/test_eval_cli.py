@@ -121,3 +121,16 @@ def test_unknown_model_path(prompts, capsys):
     code = main(["eval", "--target", "./no/such/model", "--draft", "self", "--prompts", str(prompts)])
     assert code == 2
     assert "model not found: ./no/such/model" in capsys.readouterr().err
+
+
+def test_early_exit_draft_with_and_without_kv_reuse(pair, prompts, tmp_path, capsys):
+    outs = []
+    for extra in ([], ["--no-kv-reuse"]):
+        code, out = run_eval(pair, prompts, tmp_path, "--draft", "early_exit:1", *extra)
+        assert code == 0
+        outs.append(json.loads(out.read_text()))
+    assert [o["kv_reuse"] for o in outs] == [True, False]
+    assert all(o["greedy_match"] == 1.0 for o in outs)
+    assert outs[0]["proposed"] == outs[1]["proposed"] and outs[0]["accepted"] == outs[1]["accepted"]
+    assert "verify_time_saved" in outs[0]
+    assert "with KV reuse" in capsys.readouterr().out

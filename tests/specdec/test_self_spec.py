@@ -64,3 +64,11 @@ def test_sampling_matches_the_target():
     scores = fit_scores(samples, exact_joint(small, [0, 4, 9], params))
     assert all(z < 4 for z in scores.values()), scores
     assert chi_square_z(torch.bincount(samples[:, 1], minlength=12), torch.full((12,), 1 / 12)) > 10  # not uniform
+
+
+def test_verify_saving_is_measured(target):
+    from specdec.self_spec import measure_verify_saving
+
+    result = measure_verify_saving(target, EarlyExitDraft(target, 2).eval(), gamma=3, context=16, reps=3)
+    assert result["verify_s_kv_reuse"] > 0 and result["verify_s_full"] > 0
+    assert result["verify_time_saved"] == pytest.approx(1 - result["verify_s_kv_reuse"] / result["verify_s_full"])

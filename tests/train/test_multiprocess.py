@@ -29,8 +29,10 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # a free port, chosen by the rendezvous
         "--nproc_per_node=2",
-        "--master_port=29517",
+        "--redirects=3",  # each rank's output to its own file under --log-dir
+        f"--log-dir={tmp_path / 'logs'}",
         str(ROOT / "tests" / "train" / "ddp_worker.py"),
         str(two),
         f"output_dir={two / 'run'}",
@@ -38,7 +40,8 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
         *COMMON,
     ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    rank_logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").rglob("*.log")))
+    assert result.returncode == 0, rank_logs or result.stderr[-3000:]
     rank0, rank1 = load_file(two / "rank-0.safetensors"), load_file(two / "rank-1.safetensors")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
