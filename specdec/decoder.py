@@ -284,11 +284,15 @@ def speculative_generate(
     cache_kind: str | None = None,
     draft_greedy: bool = False,
     confidence_threshold: float | None = None,
+    verify_widths: dict[int, int] | None = None,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Speculative decoding of ``prompts`` (token id lists): output is exactly the target's.
 
     gamma: draft tokens per round (at most). draft_greedy: the draft proposes its argmax (q one-hot)
-    even when sampling. confidence_threshold: dynamic gamma; a sequence stops drafting in a round
+    even when sampling. verify_widths: run a verification over q tokens as one over
+    ``verify_widths[q]`` >= q, the extra inputs masked padding after the real ones (some CPU BLAS
+    libraries are slower for 2-3 rows than for 4; ``tune_verify_widths`` measures it).
+    confidence_threshold: dynamic gamma; a sequence stops drafting in a round
     after a token whose draft probability ``max q`` is below it.
     """
     _check_prompts(prompts, max_new_tokens)
@@ -345,9 +349,11 @@ def speculative_generate(
         g = len(drafted)
         last = torch.tensor([[out.tokens[seq][-1]] for seq in live], device=device)
         d = torch.stack(drafted, 1) if g else torch.zeros(n_live, 0, dtype=torch.long, device=device)
-        verify_in = torch.cat([last, d], 1)  # (B, g+1)
-        verify_valid = torch.arange(g + 1, device=device)[None, :] <= n_proposed[:, None]
-        target_logits = target_stream.forward(verify_in, verify_valid)  # (B, g+1, V)
+        width = (verify_widths or {}).get(g + 1, g + 1)
+        verify_in = torch.nn.functional.pad(torch.cat([last, d], 1), (0, width - g - 1))  # (B, width)
+        # Padding sits after the real inputs: no real query attends to it, and rollback drops it.
+        verify_valid = torch.arange(width, device=device)[None, :] <= n_proposed[:, None]
+        target_logits = target_stream.forward(verify_in, verify_valid)[:, : g + 1]  # (B, g+1, V)
         stats.target_forwards += 1
         stats.verify_time += clock.lap()
 
@@ -379,6 +385,34 @@ def speculative_generate(
 
     stats.total_time = clock.now() - start
     return out.tokens, stats
+
+
+@torch.inference_mode()
+def tune_verify_widths(model: PreTrainedModel, max_tokens: int, context: int = 128, reps: int = 5) -> dict[int, int]:
+    """For each verification size q <= max_tokens, the width w >= q (up to max_tokens + 4) whose forward
+    is fastest on this machine, timed on a ``context``-token cache. Sizes where padding does not pay
+    are left out (the decoder then runs q as is)."""
+    device = model.device
+    clock = _Clock(device)
+    stream = _Stream(model, 1, context + max_tokens + 8, default_cache_kind(device))
+    prompt = torch.arange(1, context + 1, device=device)[None] % model.config.vocab_size
+    stream.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), logits_to_keep=1)
+    cost = {}
+    for width in range(1, max_tokens + 5):
+        x = torch.ones(1, width, dtype=torch.long, device=device)
+        times = []
+        for _ in range(reps):
+            clock.lap()
+            stream.forward(x, torch.ones_like(x, dtype=torch.bool))
+            times.append(clock.lap())
+            stream.rollback(torch.tensor([context], device=device))
+        cost[width] = sorted(times)[reps // 2]
+    widths = {}
+    for q in range(1, max_tokens + 1):
+        best = min(range(q, max_tokens + 5), key=cost.get)
+        if cost[best] < 0.9 * cost[q]:  # only where it clearly pays
+            widths[q] = best
+    return widths
 
 
 def _draft(

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.decoder import DecodeStats, speculative_generate, target_generate
+from specdec.decoder import DecodeStats, speculative_generate, target_generate, tune_verify_widths
 from specdec.errors import DraftsmithError
 from specdec.prompts import Prompt, check_length, encode_chat
 from specdec.sampling import SamplingParams
@@ -113,9 +113,11 @@ def evaluate_pair(
     compare_hf: bool = False,
     progress: bool = True,
     decode=speculative_generate,
+    tune_verify: bool = True,
 ) -> dict:
     """Run the baseline and the speculative decoder side by side; return the report as a dict.
 
+    tune_verify: pad verification passes to the widths ``tune_verify_widths`` finds faster here.
     decode: the speculative decoder (``speculative_generate``, or ``self_spec.self_speculative_generate``
     for an early-exit draft that shares the target's cache); both take the same arguments.
     """
@@ -136,6 +138,13 @@ def evaluate_pair(
         check_length(ids, max_new_tokens, context, prompt.id)
         return ids
 
+    # Verification widths that run faster padded, measured on this machine (single sequences only;
+    # the shared-cache decoder verifies its own way).
+    verify_widths = {}
+    if tune_verify and batch_size == 1 and decode is speculative_generate:
+        verify_widths = tune_verify_widths(target, gamma + 1)
+    extra = {"verify_widths": verify_widths} if decode is speculative_generate else {}
+
     def run_spec(batch_ids):
         return decode(
             target,
@@ -149,6 +158,7 @@ def evaluate_pair(
             cache_kind,
             draft_greedy,
             confidence_threshold,
+            **extra,
         )
 
     def run_target(batch_ids):
@@ -203,7 +213,7 @@ def evaluate_pair(
                 bar.set_postfix(speedup=f"{tally['spec'].tokens_per_s / max(tally['target'].tokens_per_s, 1e-9):.2f}")
         repeat_tallies.append(tally)
     bar.close()
-    return _report(
+    report = _report(
         repeat_tallies,
         per_cat,
         hf if compare_hf else None,
@@ -215,6 +225,8 @@ def evaluate_pair(
         repeats,
         len(prompts),
     )
+    report["verify_widths"] = {str(q): w for q, w in verify_widths.items()}
+    return report
 
 
 def _guard_memory(fn, batch_ids: list[list[int]]):

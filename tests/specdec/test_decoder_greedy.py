@@ -136,3 +136,22 @@ def test_bad_arguments(target):
         speculative_generate(target, target, [[0, 1]], 5, gamma=0)
     with pytest.raises(ValueError, match="at least one token"):
         speculative_generate(target, target, [[]], 5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_padded_verification_is_exact(target, draft, batch_size):
+    prompts = PROMPTS[:batch_size]
+    widths = {1: 3, 2: 4, 3: 4, 4: 8, 5: 8}
+    ref = alone(target, prompts, 30)
+    for gamma in (1, 2, 4):
+        out, stats = speculative_generate(target, draft, prompts, 30, gamma=gamma, verify_widths=widths)
+        plain, plain_stats = speculative_generate(target, draft, prompts, 30, gamma=gamma)
+        assert out == plain == ref
+        assert (stats.proposed, stats.accepted) == (plain_stats.proposed, plain_stats.accepted)
+
+
+def test_tune_verify_widths_pads_upwards_only(target):
+    from specdec.decoder import tune_verify_widths
+
+    widths = tune_verify_widths(target, 5, context=16, reps=3)
+    assert all(1 <= q <= 5 and q < w <= 9 for q, w in widths.items())

@@ -116,3 +116,9 @@ def test_always_accept_fails_the_same_fit(target, drafts, monkeypatch):
     a, _, _ = sample_spec(target, drafts["weak"], params, 3)
     scores = fit_scores(a, exact_joint(target, PROMPTS[0], params))
     assert max(scores.values()) > 10, scores
+
+
+def test_padded_verification_stays_exact(target, drafts):
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    a, b, _ = sample_spec(target, drafts["medium"], params, 3, seed=4, verify_widths={2: 4, 3: 4, 4: 8})
+    assert_fits(target, params, a, b)
