@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from specdec.attention import use_exact_attention
 from specdec.cache import SlotTracker, default_cache_kind, make_cache, select_batch
 from specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits, sample
 
@@ -93,19 +94,39 @@ class _Clock:
 
 
 class _Stream:
-    """A model plus its cache and slot bookkeeping for one batch."""
+    """A model plus its cache and slot bookkeeping for one batch.
 
-    def __init__(self, model: PreTrainedModel, batch_size: int, capacity: int, cache_kind: str):
+    ``row_exact``: the model's logits must not depend on how many tokens a forward carries (the
+    target's, in a low-precision dtype; see ``specdec.attention``). Attention is made row-exact by
+    ``use_exact_attention``; matrix products are row-exact from two rows up, but the one-row (GEMV)
+    kernels sum in another order, so a one-token forward of one sequence is run as two rows, the
+    second a padding input that is dropped again.
+    """
+
+    def __init__(self, model: PreTrainedModel, batch_size: int, capacity: int, cache_kind: str, row_exact=False):
         self.model = model
         self.device = model.device
-        self.cache = make_cache(cache_kind, model.config, capacity)
-        self.tracker = SlotTracker(batch_size, capacity, self.device)
+        self.cache = make_cache(cache_kind, model.config, capacity + 1)
+        self.tracker = SlotTracker(batch_size, capacity + 1, self.device)
+        self.pad_single = row_exact and batch_size == 1 and needs_row_padding(model)
+        use_exact_attention(model)
+        _standard_strides_into_head(model)
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         """Append ``tokens`` (B, Q) (padding where ``valid`` is False) and return logits (B, K, V)."""
+        if self.pad_single and tokens.shape == (1, 1):
+            logits = self.forward(tokens.repeat(1, 2), torch.tensor([[True, False]], device=self.device))
+            self.rollback(self.tracker.pos.clone())  # drop the padding slot
+            return logits[:, :1]
+        holes_before = self.tracker.holes
         positions = self.tracker.reserve(valid)
         kv_length, _ = self.cache.get_mask_sizes(tokens.shape[1], 0)
-        mask = self.tracker.attention_mask(tokens.shape[1], kv_length, self.model.dtype)
+        if not holes_before and valid.shape[0] == 1 and bool(valid[0].long().diff().le(0).all()):
+            # One sequence whose only padding trails its real inputs (a padded verification): the
+            # real rows never look past themselves, so the plain causal mask is right for them.
+            mask = None
+        else:
+            mask = self.tracker.attention_mask(tokens.shape[1], kv_length, self.model.dtype)
         out = self.model(
             input_ids=tokens,
             position_ids=positions,
@@ -125,6 +146,27 @@ class _Stream:
     def select(self, indices: torch.Tensor) -> None:
         select_batch(self.cache, indices)
         self.tracker.select(indices)
+
+
+def _standard_strides_into_head(model: PreTrainedModel) -> None:
+    """Give the LM head its input with standard strides.
+
+    ``logits_to_keep`` hands the head a slice of the hidden states, e.g. shape (1, 1, H) with a
+    batch stride of Q*H. For such an input torch's bfloat16 CPU matmul takes a batched path that
+    copies the whole weight first: 40 ms instead of 2 ms for a 49k-token head.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or getattr(head, "_draftsmith_strides", False):
+        return
+    head.register_forward_pre_hook(lambda _module, args: (args[0].clone(memory_format=torch.contiguous_format), *args[1:]))
+    head._draftsmith_strides = True
+
+
+def needs_row_padding(model: PreTrainedModel) -> bool:
+    """Whether one-token forwards of ``model`` go through two rows (see ``_Stream``): in 16-bit dtypes,
+    where the last-bit differences of one-row kernels flip near-tied argmaxes. In float32 they do
+    not in practice, and on CPUs whose float32 BLAS is slow for two rows the padding would cost."""
+    return model.dtype in (torch.bfloat16, torch.float16)
 
 
 def _left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,7 +287,7 @@ def target_generate(
     live = list(range(batch))  # original index of each row still in the batch
 
     tokens, valid = _left_pad(prompts, device)
-    stream = _Stream(target, batch, tokens.shape[1] + max_new_tokens + 1, cache_kind)
+    stream = _Stream(target, batch, tokens.shape[1] + max_new_tokens + 1, cache_kind, row_exact=True)
     logits = stream.forward(tokens, valid, logits_to_keep=1)[:, -1]
     stats.target_forwards += 1
     stats.prefill_time += clock.lap()
@@ -294,6 +336,9 @@ def speculative_generate(
     libraries are slower for 2-3 rows than for 4; ``tune_verify_widths`` measures it).
     confidence_threshold: dynamic gamma; a sequence stops drafting in a round
     after a token whose draft probability ``max q`` is below it.
+
+    A target on ``sdpa`` attention is switched to its row-exact variant (``specdec.attention``), so
+    a verification forward gives the same logits as single-token steps, bit for bit, in any dtype.
     """
     _check_prompts(prompts, max_new_tokens)
     if gamma < 1:
@@ -311,7 +356,7 @@ def speculative_generate(
     # Prefill. Holes from ragged rounds may add up to gamma slots per round for batch > 1.
     tokens, valid = _left_pad(prompts, device)
     extra = max_new_tokens + gamma + 2 if batch == 1 else (max_new_tokens + 1) * (gamma + 1) + 2
-    target_stream = _Stream(target, batch, tokens.shape[1] + extra, cache_kind)
+    target_stream = _Stream(target, batch, tokens.shape[1] + extra, cache_kind, row_exact=True)
     draft_stream = _Stream(draft, batch, tokens.shape[1] + extra, cache_kind)
     first = _choose(target_stream.forward(tokens, valid, logits_to_keep=1)[:, -1], sampling, generator)
     stats.target_forwards += 1

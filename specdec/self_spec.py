@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
+from specdec.attention import use_exact_attention
 from specdec.cache import SlotCache
 from specdec.decoder import DecodeStats, _check_prompts, _choose, _Clock, _Outputs, accept, propose
 from specdec.errors import DraftsmithError
@@ -65,6 +66,7 @@ def self_speculative_generate(
 ) -> tuple[list[list[int]], DecodeStats]:
     """Speculative decoding of one prompt with an early-exit draft that shares the target's cache."""
     _check_prompts(prompts, max_new_tokens)
+    use_exact_attention(target)
     if len(prompts) != 1:
         raise DraftsmithError("KV reuse decodes one sequence at a time; use --batch-size 1 or --no-kv-reuse")
     if cache_kind not in (None, "slot"):

@@ -1,0 +1,73 @@
+"""Row-exact attention: a verification forward computes, bit for bit, what single-token steps compute.
+
+Greedy speculative output is identical to the target's own only if the target's logits for a
+position do not depend on how many tokens were fed with it. Matrix products keep rows apart (a
+row's result does not change with the batch of rows around it), but attention does not: a
+verification forward over ``q`` tokens reduces each query over ``past + q`` keys with a causal
+mask, where a single-token step reduces over exactly ``past + 1`` keys, and the kernels sum in a
+different order. In float32 the difference sits in the last bits and almost never matters; in
+bfloat16 it flips near-tied argmaxes often enough to change a third of greedy answers.
+
+``exact`` attention (registered as ``draftsmith_exact``) runs each query row of a decoding forward
+as its own single-query attention over exactly the keys that row may see, the same call on the same
+data as a single-token step. Everything else (prefill, single-token steps, padded batches, masks
+that are not a plain causal prefix) goes to ``sdpa`` unchanged. The extra cost is ``q - 1`` small
+attention calls per layer, a few percent of a verification forward at batch 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+EXACT = "draftsmith_exact"
+MAX_ROWS = 32  # longer forwards (prompts, catch-up blocks) are not verification; sdpa takes them
+
+
+def _plain_causal_prefix(mask: torch.Tensor | None, q: int, kv: int) -> bool:
+    """True when ``mask`` is the causal mask of ``q`` new tokens after ``kv - q`` live keys.
+
+    The mask ``sdpa_mask`` builds for one unpadded sequence is exactly that when its last query sees
+    the last key; a static cache (keys over the whole capacity, future slots masked) fails the test.
+    """
+    return mask is not None and mask.dtype == torch.bool and mask.shape[0] == 1 and bool(mask[0, 0, -1, -1])
+
+
+def exact_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``sdpa`` attention, except that a decoding forward of a few tokens runs one query row at a time."""
+    batch, _, q, _ = query.shape
+    kv = key.shape[2]
+    if q == 1 or q > MAX_ROWS or batch != 1 or kv <= q or not _plain_causal_prefix(attention_mask, q, kv):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    past = kv - q
+    rows = [
+        sdpa_attention_forward(
+            module, query[:, :, i : i + 1], key[:, :, : past + i + 1], value[:, :, : past + i + 1], None, **kwargs
+        )[0]
+        for i in range(q)
+    ]
+    return torch.cat(rows, dim=1), None
+
+
+AttentionInterface.register(EXACT, exact_attention)
+AttentionMaskInterface.register(EXACT, sdpa_mask)
+
+
+def use_exact_attention(model: torch.nn.Module) -> None:
+    """Switch a model that uses ``sdpa`` to row-exact attention (identical results for single tokens)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return
+    if isinstance(model, PreTrainedModel):
+        model.set_attn_implementation(EXACT)
+    else:
+        config._attn_implementation = EXACT
