@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time transformers generate and assisted generation on the same prompts",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)",
+    )
     p.add_argument("--json", dest="json_out", default=None, help="write the full report to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

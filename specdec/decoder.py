@@ -158,7 +158,9 @@ def _standard_strides_into_head(model: PreTrainedModel) -> None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or getattr(head, "_draftsmith_strides", False):
         return
-    head.register_forward_pre_hook(lambda _module, args: (args[0].clone(memory_format=torch.contiguous_format), *args[1:]))
+    head.register_forward_pre_hook(
+        lambda _module, args: (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
+    )
     head._draftsmith_strides = True
 
 

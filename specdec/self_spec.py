@@ -22,7 +22,16 @@ from transformers.masking_utils import create_causal_mask
 
 from specdec.attention import use_exact_attention
 from specdec.cache import SlotCache
-from specdec.decoder import DecodeStats, _check_prompts, _choose, _Clock, _Outputs, accept, propose
+from specdec.decoder import (
+    DecodeStats,
+    _check_prompts,
+    _choose,
+    _Clock,
+    _Outputs,
+    accept,
+    needs_row_padding,
+    propose,
+)
 from specdec.errors import DraftsmithError
 from specdec.sampling import SamplingParams
 
@@ -50,6 +59,19 @@ def _upper_logits(
     return target.get_output_embeddings()(decoder.norm(hidden))
 
 
+def _lower_one(draft, token: int, pos: torch.Tensor, cache, pad: bool) -> torch.Tensor:
+    """One token through the shared layers (1, 1, H). With ``pad`` it goes through as two rows, the
+    second a copy whose cache slot is dropped again, so the shared layers compute exactly what the
+    target's own (two-row) single-token steps compute (see ``decoder._Stream``)."""
+    ids = torch.tensor([[token]], device=pos.device)
+    if not pad:
+        return draft.lower(ids, pos, cache)
+    hidden = draft.lower(ids.repeat(1, 2), pos.repeat(1, 2), cache)
+    for layer in cache.layers[: draft.k]:
+        layer.crop(-1)
+    return hidden[:, :1]
+
+
 @torch.inference_mode()
 def self_speculative_generate(
     target: PreTrainedModel,
@@ -74,6 +96,7 @@ def self_speculative_generate(
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
     device, k = target.device, draft.k
+    pad = needs_row_padding(target)
     stats = DecodeStats(batch_size=1, seq_proposed=[0], seq_accepted=[0])
     clock = _Clock(device)
     start = clock.last
@@ -102,7 +125,7 @@ def self_speculative_generate(
         feed, states, drafted, probs = out.tokens[0][-1], [], [], []
         for i in range(budget):
             pos = positions(committed - 1 + i, 1)
-            h = draft.lower(torch.tensor([[feed]], device=device), pos, cache)
+            h = _lower_one(draft, feed, pos, cache, pad)
             states.append(h)
             q_logits = draft.exit_logits(h, pos, cache, logits_to_keep=1)[:, -1]  # (1, V)
             token, q, confident = propose(q_logits, sampling, draft_greedy, confidence_threshold, generator)
@@ -118,10 +141,15 @@ def self_speculative_generate(
         # 2. Verify: the last token through the shared layers, then the target's upper layers only.
         g = len(drafted)
         pos = positions(committed - 1 + g, 1)
-        h = draft.lower(torch.tensor([[feed]], device=device), pos, cache)
+        h = _lower_one(draft, feed, pos, cache, pad)
         draft.exit_logits(h, pos, cache, with_head=False)
         states.append(h)
-        target_logits = _upper_logits(target, k, torch.cat(states, 1), positions(committed - 1, g + 1), cache)
+        if pad and g == 0:  # one row: through two, as in _lower_one
+            target_logits = _upper_logits(target, k, h.repeat(1, 2, 1), pos.repeat(1, 2), cache)[:, :1]
+            for layer in cache.layers[k : target.config.num_hidden_layers]:
+                layer.crop(-1)
+        else:
+            target_logits = _upper_logits(target, k, torch.cat(states, 1), positions(committed - 1, g + 1), cache)
         stats.target_forwards += 1
         stats.verify_time += clock.lap()
 

@@ -33,10 +33,14 @@ def test_a_block_of_tokens_scores_exactly_as_single_token_steps(wide_pair):
             prompt, block = tokens[:, :-5], tokens[:, -5:]
             steps = _Stream(target, 1, 128, "slot", row_exact=True)
             steps.forward(prompt, torch.ones_like(prompt, dtype=torch.bool))
-            single = torch.cat([steps.forward(block[:, i : i + 1], torch.ones(1, 1, dtype=torch.bool)) for i in range(5)], 1)
+            single = torch.cat(
+                [steps.forward(block[:, i : i + 1], torch.ones(1, 1, dtype=torch.bool)) for i in range(5)], 1
+            )
             together = _Stream(target, 1, 128, "slot", row_exact=True)
             together.forward(prompt, torch.ones_like(prompt, dtype=torch.bool))
-            mismatches += int(not torch.equal(single, together.forward(block, torch.ones_like(block, dtype=torch.bool))))
+            mismatches += int(
+                not torch.equal(single, together.forward(block, torch.ones_like(block, dtype=torch.bool)))
+            )
     assert target.config._attn_implementation == EXACT
     assert mismatches == 0
 
@@ -59,8 +63,25 @@ def test_exact_attention_leaves_a_static_cache_to_sdpa_and_stays_correct():
     with torch.inference_mode():
         cache = make_cache("static", model.config, 64)
         model(input_ids=tokens[:, :35], cache=cache, use_cache=True)
-        single = [model(input_ids=tokens[:, i : i + 1], cache=cache, use_cache=True).logits[0, -1] for i in range(35, 40)]
+        single = [
+            model(input_ids=tokens[:, i : i + 1], cache=cache, use_cache=True).logits[0, -1] for i in range(35, 40)
+        ]
         cache = make_cache("static", model.config, 64)
         model(input_ids=tokens[:, :35], cache=cache, use_cache=True)
         together = model(input_ids=tokens[:, 35:], cache=cache, use_cache=True).logits[0]
     torch.testing.assert_close(torch.stack(single), together, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_self_speculative_output_is_the_targets(wide_pair):
+    from distill.early_exit import EarlyExitDraft
+    from specdec.self_spec import self_speculative_generate
+
+    target, _ = wide_pair
+    draft = EarlyExitDraft(target, 3, adapter=False).eval()
+    for seed, length in enumerate((9, 50)):
+        prompt = _tokens(length, 20 + seed)[0].tolist()
+        want, _ = target_generate(target, [prompt], 60)
+        for gamma in (1, 3):
+            got, stats = self_speculative_generate(target, draft, [prompt], 60, gamma=gamma)
+            assert got == want, (seed, gamma)
+            assert stats.accepted > 0
