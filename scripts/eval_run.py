@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
 import yaml
 
 from distill.draft_init import draft_decoder, load_draft
 from distill.early_exit import META as EE_META
 from distill.early_exit import WEIGHTS as EE_WEIGHTS
 from distill.early_exit import is_early_exit
+from specdec import draft_vocab
 from specdec.errors import DraftsmithError
-from specdec.loading import eos_token_ids, resolve_device
+from specdec.loading import eos_token_ids, resolve_device, resolve_dtype
 from specdec.prompts import read_prompts
 from train import speedup
 from train.config import DistillConfig
@@ -51,7 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--force", action="store_true", help="measure drafts again even if already in the report")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="score only the N tokens most frequent in the run's training answers in the draft's head "
+        "(frequency-ranked drafting; exact, the target still verifies over its full vocabulary). 0 = full head",
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     run(
@@ -65,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         args.force,
         args.device,
         not args.no_progress,
+        args.dtype,
+        args.draft_vocab,
     )
     return 0
 
@@ -80,6 +94,8 @@ def run(
     force: bool = False,
     device: str | None = None,
     progress: bool = True,
+    dtype: str | None = None,
+    draft_vocab_size: int = 0,
 ) -> dict:
     if any(g < 1 for g in gammas):
         raise DraftsmithError(f"gammas must be >= 1, got {gammas}")
@@ -91,14 +107,31 @@ def run(
     prompts = read_prompts(prompts_file)[:limit]
     cfg = DistillConfig(**yaml.safe_load((run_dir / "config.yaml").read_text()))
     dev = resolve_device(device)
-    target, tokenizer = load_target(cfg, dev)
+    torch_dtype = resolve_dtype(dtype, dev)
+    target, tokenizer = load_target(cfg, dev, torch_dtype)
     eos = eos_token_ids(target, tokenizer)
+    if draft_vocab_size < 0:
+        raise DraftsmithError(f"--draft-vocab must be >= 0, got {draft_vocab_size}")
+    ranking = draft_vocab.load_ranking(run_dir)[:draft_vocab_size] if draft_vocab_size else None
 
     report = speedup.load_report(run_dir)
-    settings = {"prompts": str(prompts_file), "gammas": gammas, "max_new_tokens": max_new_tokens, "limit": limit}
+    settings = {
+        "prompts": str(prompts_file),
+        "gammas": gammas,
+        "max_new_tokens": max_new_tokens,
+        "limit": limit,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "draft_vocab": draft_vocab_size,
+    }
     if force or any(report.get(k) != v for k, v in settings.items()):
         report = {"results": {}}
-    report.update(settings, run=str(run_dir), target=cfg.target, temperatures=temperatures, hardware=speedup.hardware())
+    report.update(
+        settings,
+        run=str(run_dir),
+        target=cfg.target,
+        temperatures=temperatures,
+        hardware=speedup.hardware(),
+    )
     for name, step, folder in drafts:
         for temp in temperatures:
             if str(temp) in report["results"].get(name, {}):
@@ -107,7 +140,9 @@ def run(
             missing = [f for f in needed if not (folder / f).is_file()]
             if missing:
                 raise DraftsmithError(f"{folder} is missing {', '.join(missing)}; it is not a complete checkpoint")
-            draft = load_draft(str(folder), target, dev, torch.float32)
+            draft = load_draft(str(folder), target, dev, torch_dtype)
+            if ranking and not is_early_exit(folder):
+                draft = draft_vocab.SubsetHeadDraft(draft, ranking, eos)
             print(f"measuring {name} at temperature {temp}")
             result = speedup.measure_draft(
                 target,

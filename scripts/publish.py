@@ -131,7 +131,13 @@ def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:
         lines += [
             f"Measured by `draftsmith eval-run` with its bundled speculative decoder on {report['hardware']}, "
             f"prompts `{report['prompts']}`, {report['max_new_tokens']} new tokens, against a KV-cached "
-            "target-only decoder:",
+            "target-only decoder"
+            + (
+                f", with the draft's head cut to the {report['draft_vocab']} tokens most frequent in the training "
+                "answers (frequency-ranked drafting; the published model keeps its full head):"
+                if report.get("draft_vocab")
+                else ":"
+            ),
             "",
             "| temperature | gamma | acceptance rate | mean accepted tokens | speedup |",
             "|---|---|---|---|---|",

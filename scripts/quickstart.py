@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-limit", type=int, default=6, help="held-out prompts used (default: 6)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt when measuring")
     p.add_argument("--gammas", default="1,2,3,4,6")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="the draft's head scores only the N tokens most frequent in the training answers (0 = full head)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides of the distillation config")
     args = p.parse_args(argv)
     out = Path(args.output_dir)
@@ -48,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         [0.0],
         args.max_new_tokens,
         args.eval_limit,
+        draft_vocab_size=args.draft_vocab,
     )
     best = report["best"]
     if best is None:

@@ -34,6 +34,28 @@ def predicted_speedup(alpha: float, gamma: float, c: float, v: float = 1.0) -> f
     return expected_tokens / (gamma * c + v)
 
 
+def alpha_from_tau(tau: float, gamma: int) -> float:
+    """The per-position acceptance rate a that gives ``tau = (1 - a^(gamma+1)) / (1 - a)`` tokens per round.
+
+    The measured acceptance rate (accepted / proposed) counts the draft tokens after the first
+    rejection of a round as proposed, so for gamma > 1 it is lower than the chance that one
+    position is accepted; this inverts the i.i.d. model of Leviathan et al. instead (bisection).
+    At gamma = 1 both are the same number.
+    """
+    if tau <= 1.0:
+        return 0.0
+    if tau >= gamma + 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if (1 - mid ** (gamma + 1)) / (1 - mid) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 @dataclass
 class _Tally:
     """Tokens and seconds of one decoder over one repeat."""

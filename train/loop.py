@@ -38,6 +38,7 @@ from distill.early_exit import EarlyExitDraft
 from distill.losses import acceptance_probability, cross_entropy, token_losses
 from distill.on_policy import OnPolicyMixer, example_prompt
 from distill.tiny import tiny_target
+from specdec import draft_vocab
 from specdec.errors import DraftsmithError
 from specdec.loading import check_compatible, draftsmith_home, eos_token_ids, load_model, load_tokenizer, resolve_device
 from specdec.prompts import encode_chat, read_prompts
@@ -51,14 +52,14 @@ def print0(accelerator: Accelerator, *args) -> None:
         tqdm.write(" ".join(str(a) for a in args))
 
 
-def load_target(cfg: DistillConfig, device: torch.device):
+def load_target(cfg: DistillConfig, device: torch.device, dtype: torch.dtype = torch.float32):
     """(target, tokenizer) of a run: the frozen teacher (``tiny`` is rebuilt from its config and seed)."""
     if cfg.target == "tiny":
         target, tokenizer = tiny_target(seed=cfg.seed, **cfg.tiny_target)
-        target = target.to(device)
+        target = target.to(device=device, dtype=dtype)
     else:
         tokenizer = load_tokenizer(cfg.target)
-        target = load_model(cfg.target, device, torch.float32, device_map=cfg.teacher_device_map)
+        target = load_model(cfg.target, device, dtype, device_map=cfg.teacher_device_map)
     return target.requires_grad_(False).eval(), tokenizer
 
 
@@ -200,6 +201,8 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
         save_config(cfg, run_dir / "config.yaml")
     target, tokenizer, draft = build_models(cfg, accelerator.device)
     train_examples, heldout_examples = build_examples(cfg, target, tokenizer, accelerator)
+    if accelerator.is_main_process:
+        draft_vocab.save_ranking(run_dir, draft_vocab.rank_tokens(train_examples))
     cost_ratio = measure_cost_ratio(target, draft) if accelerator.is_main_process else float("nan")
     print0(
         accelerator,

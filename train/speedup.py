@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.decoder import speculative_generate
-from specdec.evaluate import evaluate_pair, predicted_speedup
+from specdec.evaluate import alpha_from_tau, evaluate_pair, predicted_speedup
 from specdec.prompts import Prompt
 from specdec.sampling import SamplingParams
 from train import checkpoint
@@ -60,7 +60,10 @@ def measure_draft(
         )
 
     first = run(base)
-    alpha, c, v = first["acceptance_rate"] or 0.0, first["cost_ratio_c"], first["verify_ratio_v"]
+    # The prediction needs the per-position acceptance, which accepted / proposed understates for
+    # gamma > 1 (tokens after a rejection count as proposed); tau at the base gamma gives it.
+    alpha = alpha_from_tau(first["mean_accepted_tokens"] or 1.0, base)
+    c, v = first["cost_ratio_c"], first["verify_ratio_v"]
     predicted = {g: predicted_speedup(alpha, g, c, 1 + (v - 1) * g / base) for g in gammas}
     best_gamma = max(predicted, key=predicted.get)
     confirmed = first if best_gamma == base else run(best_gamma)
@@ -79,6 +82,7 @@ def measure_draft(
         "temperature": temperature,
         "best_gamma": best_gamma,
         **{k: confirmed[k] for k in keys},  # measured at the best gamma
+        "alpha_per_position": alpha,  # estimated from tau at the base gamma
         "base_gamma": base,
         "at_base_gamma": {k: first[k] for k in keys},
         "predicted_by_gamma": {str(g): p for g, p in predicted.items()},
