@@ -15,9 +15,9 @@ from specdec.prompts import encode_chat, read_prompts
 PROMPTS = Path(__file__).parents[1] / "distill" / "data" / "eval_prompts.jsonl"  # held out from training
 
 
-def default_target(device: str = "cpu"):
-    """(model, tokenizer, eos ids) of the embedded default target in float32."""
-    model = load_model(DEFAULT_TARGET, torch.device(device), torch.float32)
+def default_target(device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer, eos ids) of the embedded default target (float32 unless asked)."""
+    model = load_model(DEFAULT_TARGET, torch.device(device), dtype)
     tokenizer = load_tokenizer(DEFAULT_TARGET)
     return model, tokenizer, eos_token_ids(model, tokenizer)
 

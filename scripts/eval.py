@@ -8,6 +8,7 @@ from pathlib import Path
 
 from distill.draft_init import draft_decoder, load_draft
 from distill.early_exit import EarlyExitDraft
+from specdec import draft_vocab
 from specdec.cache import CACHE_KINDS
 from specdec.errors import DraftsmithError
 from specdec.evaluate import evaluate_pair, format_table
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time transformers generate and assisted generation on the same prompts",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="the draft's head scores only the N tokens most frequent in its run's training answers "
+        "(draft_vocab.json in the checkpoint's run folder); exact, the target verifies over its full vocabulary",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
     p.add_argument(
         "--dtype",
@@ -98,6 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_out", default=None, help="write the full report to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _cut_head(args, draft, early_exit: bool, eos: frozenset[int]):
+    """The draft with its head cut to the ``--draft-vocab`` most frequent tokens of its run."""
+    if args.draft_vocab < 0:
+        raise DraftsmithError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
+    folder = Path(args.draft)
+    if early_exit or not folder.is_dir():
+        raise DraftsmithError("--draft-vocab needs a trained draft folder from a distillation run (not self/truncate)")
+    if args.compare_hf:
+        raise DraftsmithError("--compare-hf times transformers with the full draft; leave out --draft-vocab there")
+    source = folder if (folder / draft_vocab.FILE).is_file() else folder.parent
+    return draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(source)[: args.draft_vocab], eos)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if early_exit and args.compare_hf:
         raise DraftsmithError("--compare-hf needs a standalone draft; an early-exit draft shares the target's layers")
     kv_reuse = early_exit and not args.no_kv_reuse
+    if args.draft_vocab:
+        draft = _cut_head(args, draft, early_exit, eos_token_ids(target, tokenizer))
 
     report = evaluate_pair(
         target,
@@ -150,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         draft=args.draft,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
+        draft_vocab=args.draft_vocab,
         prompts_file=str(args.prompts),
     )
     print(format_table(report))

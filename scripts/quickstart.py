@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':<30}{'before (initial)':>18}{f'after ({best})':>24}")
     print(f"{'held-out sum min(p,q)':<30}{heldout[0]['acceptance_rate']:>18.3f}{heldout[-1]['acceptance_rate']:>24.3f}")
     print(f"{'greedy acceptance rate':<30}{before['acceptance_rate']:>18.3f}{after['acceptance_rate']:>24.3f}")
+    print(f"{'  per position (from tau)':<30}{before['alpha_per_position']:>18.3f}{after['alpha_per_position']:>24.3f}")
     print(f"{'best gamma':<30}{before['best_gamma']:>18}{after['best_gamma']:>24}")
     print(f"{'measured speedup':<30}{before['speedup']:>18.2f}{after['speedup']:>24.2f}")
     print(f"{'greedy output identical':<30}{before['greedy_match']:>18.0%}{after['greedy_match']:>24.0%}")

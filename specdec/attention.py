@@ -10,9 +10,11 @@ bfloat16 it flips near-tied argmaxes often enough to change a third of greedy an
 
 ``exact`` attention (registered as ``draftsmith_exact``) runs each query row of a decoding forward
 as its own single-query attention over exactly the keys that row may see, the same call on the same
-data as a single-token step. Everything else (prefill, single-token steps, padded batches, masks
-that are not a plain causal prefix) goes to ``sdpa`` unchanged. The extra cost is ``q - 1`` small
-attention calls per layer, a few percent of a verification forward at batch 1.
+data as a single-token step (which goes through the same function). Everything else (prefill,
+padded batches, masks that are not a plain causal prefix, a static cache) goes to ``sdpa``
+unchanged. A single query runs with its heads packed by key/value group, one small dense attention
+per group with no mask: on CPU that is also the fastest single-query kernel (in bfloat16 about 5x
+faster than ``sdpa``'s grouped-query path), so the extra cost of a verification forward is small.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 EXACT = "draftsmith_exact"
 MAX_ROWS = 32  # longer forwards (prompts, catch-up blocks) are not verification; sdpa takes them
+_UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias", "dropout")  # sdpa handles these
 
 
 def _plain_causal_prefix(mask: torch.Tensor | None, q: int, kv: int) -> bool:
@@ -35,6 +38,17 @@ def _plain_causal_prefix(mask: torch.Tensor | None, q: int, kv: int) -> bool:
     return mask is not None and mask.dtype == torch.bool and mask.shape[0] == 1 and bool(mask[0, 0, -1, -1])
 
 
+def _one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Attention of one query position over all of ``key``: (1, H, 1, D) x (1, Hkv, L, D) -> (1, 1, H, D).
+
+    Query head h reads key/value head h // (H / Hkv), as ``repeat_kv`` would arrange it.
+    """
+    batch, heads, _, dim = query.shape
+    packed = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scaling)
+    return out.reshape(batch, 1, heads, dim)
+
+
 def exact_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -43,18 +57,28 @@ def exact_attention(
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``sdpa`` attention, except that a decoding forward of a few tokens runs one query row at a time."""
-    batch, _, q, _ = query.shape
+    """``sdpa`` attention, except that a decoding forward of a few tokens runs one query row at a time.
+
+    ``exact_rows`` (a forward keyword): only the first that many query rows are real; the rest are
+    padding whose output is thrown away, so their attention is not computed (zeros).
+    """
+    rows_needed = kwargs.pop("exact_rows", None)
+    batch, heads, q, _ = query.shape
     kv = key.shape[2]
-    if q == 1 or q > MAX_ROWS or batch != 1 or kv <= q or not _plain_causal_prefix(attention_mask, q, kv):
+    plain = batch == 1 and heads % key.shape[1] == 0 and not any(kwargs.get(k) for k in _UNSUPPORTED)
+    scaling = kwargs.get("scaling")
+    if plain and q == 1 and attention_mask is None:
+        return _one_query(query, key, value, scaling), None
+    if not plain or q == 1 or q > MAX_ROWS or kv <= q or not _plain_causal_prefix(attention_mask, q, kv):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv - q
+    real = q if rows_needed is None else rows_needed
     rows = [
-        sdpa_attention_forward(
-            module, query[:, :, i : i + 1], key[:, :, : past + i + 1], value[:, :, : past + i + 1], None, **kwargs
-        )[0]
-        for i in range(q)
+        _one_query(query[:, :, i : i + 1], key[:, :, : past + i + 1], value[:, :, : past + i + 1], scaling)
+        for i in range(real)
     ]
+    if real < q:
+        rows.append(query.new_zeros(batch, q - real, heads, value.shape[-1]))
     return torch.cat(rows, dim=1), None
 
 

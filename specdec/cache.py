@@ -174,6 +174,12 @@ class SlotTracker:
         mask = torch.zeros(batch, 1, q, kv_length, dtype=dtype, device=live.device)
         return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
+    def drop_last_slot(self) -> None:
+        """Forget the last reserved slot, which held padding only (a one-token forward run as two rows)."""
+        self.length -= 1
+        self.slot_pos[:, self.length] = -1
+        self.holes = bool((self.slot_pos[:, : self.length] < 0).any())
+
     def rollback(self, keep: torch.Tensor) -> int:
         """Forget every token at logical position >= ``keep[b]``; return how many trailing slots to crop."""
         keep = torch.minimum(keep, self.pos)  # a sequence never holds more than it was fed

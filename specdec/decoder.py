@@ -109,15 +109,20 @@ class _Stream:
         self.cache = make_cache(cache_kind, model.config, capacity + 1)
         self.tracker = SlotTracker(batch_size, capacity + 1, self.device)
         self.pad_single = row_exact and batch_size == 1 and needs_row_padding(model)
+        self._pad_valid = torch.tensor([[True, False]], device=self.device)
         use_exact_attention(model)
         _standard_strides_into_head(model)
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         """Append ``tokens`` (B, Q) (padding where ``valid`` is False) and return logits (B, K, V)."""
         if self.pad_single and tokens.shape == (1, 1):
-            logits = self.forward(tokens.repeat(1, 2), torch.tensor([[True, False]], device=self.device))
-            self.rollback(self.tracker.pos.clone())  # drop the padding slot
+            logits = self._forward(tokens.repeat(1, 2), self._pad_valid, 0, {"exact_rows": 1})
+            self.tracker.drop_last_slot()  # the padding slot
+            self.cache.crop(-1)
             return logits[:, :1]
+        return self._forward(tokens, valid, logits_to_keep, {})
+
+    def _forward(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int, extra: dict) -> torch.Tensor:
         holes_before = self.tracker.holes
         positions = self.tracker.reserve(valid)
         kv_length, _ = self.cache.get_mask_sizes(tokens.shape[1], 0)
@@ -134,6 +139,7 @@ class _Stream:
             cache=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **extra,
         )
         return out.logits
 

@@ -134,3 +134,24 @@ def test_early_exit_draft_with_and_without_kv_reuse(pair, prompts, tmp_path, cap
     assert outs[0]["proposed"] == outs[1]["proposed"] and outs[0]["accepted"] == outs[1]["accepted"]
     assert "verify_time_saved" in outs[0]
     assert "with KV reuse" in capsys.readouterr().out
+
+
+def test_draft_vocab_cuts_the_head_and_keeps_greedy_output(pair, prompts, tmp_path, capsys):
+    import shutil
+
+    from specdec.draft_vocab import save_ranking
+
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoint-5"
+    shutil.copytree(pair[1], checkpoint)
+    code, _ = run_eval((pair[0], checkpoint), prompts, tmp_path, "--draft-vocab", "12")
+    assert code == 2 and "draft_vocab.json not found" in capsys.readouterr().err
+    save_ranking(run, list(range(3, 32)))
+    code, out = run_eval((pair[0], checkpoint), prompts, tmp_path, "--draft-vocab", "12", "--gamma", "2")
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["draft_vocab"] == 12
+    assert report["greedy_match"] == 1.0
+    assert report["proposed"] > 0
+    code, _ = run_eval((pair[0], checkpoint), prompts, tmp_path, "--draft-vocab", "12", "--compare-hf")
+    assert code == 2 and "leave out --draft-vocab" in capsys.readouterr().err
