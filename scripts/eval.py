@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from distill.draft_init import draft_decoder, load_draft
 from distill.early_exit import EarlyExitDraft
 from specdec import draft_vocab
@@ -101,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default=None,
-        help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)",
+        help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16 at batch 1, "
+        "else float32)",
     )
     p.add_argument("--json", dest="json_out", default=None, help="write the full report to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -133,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(args.prompts, all_turns=args.all_turns)[: args.limit]
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if args.dtype is None and args.batch_size > 1 and dtype != torch.float32:
+        # Row-exact decoding (identical greedy output in 16-bit dtypes) covers batch 1 only.
+        dtype = torch.float32
+        print("batch > 1: measuring in float32, where batched greedy output stays the target's (see --dtype)")
 
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, device, dtype)
