@@ -120,7 +120,15 @@ def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:
         "",
         f"A draft for speculative decoding with `{base_model}` as the target, distilled with draftsmith "
         f"(loss `{cfg.loss}`, data `{cfg.data}`, draft `{cfg.draft_init}`"
-        + (f" of layers {cfg.draft_layers}" if cfg.draft_init == "truncate" else "")
+        + (
+            (
+                f" of the target's first {cfg.draft_layers} layers"
+                if str(cfg.draft_layers).strip().isdigit()
+                else f" of the target's layers {cfg.draft_layers}"
+            )
+            if cfg.draft_init == "truncate"
+            else ""
+        )
         + f", {json.loads((ckpt / checkpoint.MARKER).read_text())['step']} steps). "
         "Speculative decoding keeps the target's output unchanged; the draft only makes it faster.",
         "",
@@ -129,8 +137,10 @@ def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:
     ]
     if results:
         lines += [
-            f"Measured by `draftsmith eval-run` with its bundled speculative decoder on {report['hardware']}, "
-            f"prompts `{report['prompts']}`, {report['max_new_tokens']} new tokens, against a KV-cached "
+            f"Measured by `draftsmith eval-run` with its bundled speculative decoder on {report['hardware']}"
+            + (f" in {report['dtype']}" if report.get("dtype") else "")
+            + ", "
+            + f"prompts `{report['prompts']}`, {report['max_new_tokens']} new tokens, against a KV-cached "
             "target-only decoder"
             + (
                 f", with the draft's head cut to the {report['draft_vocab']} tokens most frequent in the training "
