@@ -29,7 +29,7 @@ MAX_ROWS = 32  # longer forwards (prompts, catch-up blocks) are not verification
 _UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias", "dropout")  # sdpa handles these
 
 
-def _plain_causal_prefix(mask: torch.Tensor | None, q: int, kv: int) -> bool:
+def _plain_causal_prefix(mask: torch.Tensor | None) -> bool:
     """True when ``mask`` is the causal mask of ``q`` new tokens after ``kv - q`` live keys.
 
     The mask ``sdpa_mask`` builds for one unpadded sequence is exactly that when its last query sees
@@ -69,7 +69,7 @@ def exact_attention(
     scaling = kwargs.get("scaling")
     if plain and q == 1 and attention_mask is None:
         return _one_query(query, key, value, scaling), None
-    if not plain or q == 1 or q > MAX_ROWS or kv <= q or not _plain_causal_prefix(attention_mask, q, kv):
+    if not plain or q == 1 or q > MAX_ROWS or kv <= q or not _plain_causal_prefix(attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv - q
     real = q if rows_needed is None else rows_needed

@@ -96,11 +96,11 @@ class _Clock:
 class _Stream:
     """A model plus its cache and slot bookkeeping for one batch.
 
-    ``row_exact``: the model's logits must not depend on how many tokens a forward carries (the
-    target's, in a low-precision dtype; see ``specdec.attention``). Attention is made row-exact by
-    ``use_exact_attention``; matrix products are row-exact from two rows up, but the one-row (GEMV)
-    kernels sum in another order, so a one-token forward of one sequence is run as two rows, the
-    second a padding input that is dropped again.
+    Every stream's model gets row-exact attention (``specdec.attention``; also the fastest
+    single-query path). ``row_exact``: the model's logits must not depend on how many tokens a
+    forward carries (the target's, in a low-precision dtype). Matrix products are row-exact from two
+    rows up, but the one-row (GEMV) kernels sum in another order, so a one-token forward of one
+    sequence is run as two rows, the second a padding input that is dropped again.
     """
 
     def __init__(self, model: PreTrainedModel, batch_size: int, capacity: int, cache_kind: str, row_exact=False):
@@ -126,12 +126,11 @@ class _Stream:
         holes_before = self.tracker.holes
         positions = self.tracker.reserve(valid)
         kv_length, _ = self.cache.get_mask_sizes(tokens.shape[1], 0)
-        if not holes_before and valid.shape[0] == 1 and bool(valid[0].long().diff().le(0).all()):
+        mask = self.tracker.attention_mask(tokens.shape[1], kv_length, self.model.dtype)
+        if mask is not None and not holes_before and valid.shape[0] == 1 and bool(valid[0].long().diff().le(0).all()):
             # One sequence whose only padding trails its real inputs (a padded verification): the
             # real rows never look past themselves, so the plain causal mask is right for them.
             mask = None
-        else:
-            mask = self.tracker.attention_mask(tokens.shape[1], kv_length, self.model.dtype)
         out = self.model(
             input_ids=tokens,
             position_ids=positions,

@@ -72,7 +72,7 @@ class SubsetHeadDraft(nn.Module):
         self.config = draft.config
         self.vocab_size = vocab
         self.register_buffer("ids", torch.tensor(keep, device=head.weight.device), persistent=False)
-        self.weight = nn.Parameter(head.weight.detach()[self.ids].clone(), requires_grad=False)
+        self.weight = nn.Parameter(head.weight.detach()[self.ids], requires_grad=False)  # a copy
 
     @property
     def device(self) -> torch.device:

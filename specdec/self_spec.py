@@ -59,17 +59,22 @@ def _upper_logits(
     return target.get_output_embeddings()(decoder.norm(hidden))
 
 
+def _two_rows(run, inputs: torch.Tensor, pos: torch.Tensor, cache_layers) -> torch.Tensor:
+    """``run(inputs, pos)`` for one position, fed as two rows (the second a copy whose slot in
+    ``cache_layers`` is dropped again), so that it computes exactly what the target's own two-row
+    single-token steps compute (see ``decoder._Stream``). Returns the first row's output."""
+    out = run(torch.cat([inputs, inputs], 1), pos.repeat(1, 2))
+    for layer in cache_layers:
+        layer.crop(-1)
+    return out[:, :1]
+
+
 def _lower_one(draft, token: int, pos: torch.Tensor, cache, pad: bool) -> torch.Tensor:
-    """One token through the shared layers (1, 1, H). With ``pad`` it goes through as two rows, the
-    second a copy whose cache slot is dropped again, so the shared layers compute exactly what the
-    target's own (two-row) single-token steps compute (see ``decoder._Stream``)."""
+    """One token through the shared layers (1, 1, H); with ``pad`` as two rows (``_two_rows``)."""
     ids = torch.tensor([[token]], device=pos.device)
     if not pad:
         return draft.lower(ids, pos, cache)
-    hidden = draft.lower(ids.repeat(1, 2), pos.repeat(1, 2), cache)
-    for layer in cache.layers[: draft.k]:
-        layer.crop(-1)
-    return hidden[:, :1]
+    return _two_rows(lambda x, p: draft.lower(x, p, cache), ids, pos, cache.layers[: draft.k])
 
 
 @torch.inference_mode()
@@ -145,9 +150,8 @@ def self_speculative_generate(
         draft.exit_logits(h, pos, cache, with_head=False)
         states.append(h)
         if pad and g == 0:  # one row: through two, as in _lower_one
-            target_logits = _upper_logits(target, k, h.repeat(1, 2, 1), pos.repeat(1, 2), cache)[:, :1]
-            for layer in cache.layers[k : target.config.num_hidden_layers]:
-                layer.crop(-1)
+            upper = cache.layers[k : target.config.num_hidden_layers]
+            target_logits = _two_rows(lambda x, p: _upper_logits(target, k, x, p, cache), h, pos, upper)
         else:
             target_logits = _upper_logits(target, k, torch.cat(states, 1), positions(committed - 1, g + 1), cache)
         stats.target_forwards += 1
