@@ -24,8 +24,8 @@ from distill.data import collate
 from distill.losses import densify_topk
 
 
-def cache_key(target_name: str, examples: list[dict], top_k: int, temperature: float) -> str:
-    digest = hashlib.sha256(json.dumps([target_name, top_k, temperature]).encode())
+def cache_key(target_name: str, dtype: torch.dtype, examples: list[dict], top_k: int, temperature: float) -> str:
+    digest = hashlib.sha256(json.dumps([target_name, str(dtype), top_k, temperature]).encode())
     for e in examples:
         digest.update(json.dumps([e["input_ids"], e["loss_mask"]]).encode())
     return digest.hexdigest()[:16]

@@ -47,6 +47,9 @@ class DistillConfig:
     teacher_device_map: str | None = None  # e.g. auto: spread the target over this process's GPUs
     teacher_cache: bool = False  # store the target's top-k log-probs once; training skips its forward pass
     teacher_top_k: int = 64
+    # the target's dtype as teacher and answer generator: auto = bfloat16 on CUDA and on CPUs with native
+    # bfloat16 (as eval measures it), else float32; early_exit drafts share its layers and keep float32
+    teacher_dtype: str = "auto"
     # loss
     loss: str = "tvd"  # forward_kl | reverse_kl | jsd | tvd | accepted_length
     loss_temperature: float = 1.0
@@ -61,7 +64,7 @@ class DistillConfig:
     batch_size: int = 8  # sequences per process per micro-batch
     grad_accum: int = 1
     max_grad_norm: float = 1.0
-    mixed_precision: str = "no"  # no | bf16 | fp16
+    mixed_precision: str = "no"  # no | bf16 | fp16 | auto (bf16 where the device has native bfloat16)
     seed: int = 0
     # bookkeeping
     save_steps: int = 50
@@ -110,7 +113,15 @@ class DistillConfig:
             (0 < self.jsd_beta < 1, "jsd_beta must be in (0, 1)"),
             (self.loss_gamma >= 1, "loss_gamma must be >= 1"),
             (0 <= self.ce_weight <= 1, "ce_weight must be in [0, 1]"),
-            (self.mixed_precision in ("no", "bf16", "fp16"), "mixed_precision must be no, bf16 or fp16"),
+            (self.mixed_precision in ("no", "bf16", "fp16", "auto"), "mixed_precision must be no, bf16, fp16 or auto"),
+            (
+                self.teacher_dtype in ("auto", "float32", "bfloat16", "float16"),
+                "teacher_dtype must be auto, float32, bfloat16 or float16",
+            ),
+            (
+                self.draft_init != "early_exit" or self.teacher_dtype in ("auto", "float32"),
+                "early_exit drafts share the target's layers, which stay float32: set teacher_dtype to auto",
+            ),
             (self.heldout >= 1, "heldout must be >= 1"),
             (self.gen_samples >= 1, "gen_samples must be >= 1"),
             (

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torchmetrics
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from peft import PeftModel
 from torch.utils.data import DataLoader
@@ -40,7 +41,15 @@ from distill.on_policy import OnPolicyMixer, example_prompt
 from distill.tiny import tiny_target
 from specdec import draft_vocab
 from specdec.errors import DraftsmithError
-from specdec.loading import check_compatible, draftsmith_home, eos_token_ids, load_model, load_tokenizer, resolve_device
+from specdec.loading import (
+    check_compatible,
+    draftsmith_home,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
 from specdec.prompts import encode_chat, read_prompts
 from specdec.sampling import SamplingParams
 from train import checkpoint, speedup
@@ -63,14 +72,36 @@ def load_target(cfg: DistillConfig, device: torch.device, dtype: torch.dtype = t
     return target.requires_grad_(False).eval(), tokenizer
 
 
+def teacher_dtype(cfg: DistillConfig, device: torch.device) -> torch.dtype:
+    """The dtype the frozen target runs in as teacher (early-exit drafts share its layers: float32)."""
+    if cfg.draft_init == "early_exit":
+        return torch.float32
+    return resolve_dtype(cfg.teacher_dtype, device)
+
+
+def mixed_precision(cfg: DistillConfig, device: torch.device) -> str:
+    """accelerate's mixed_precision for the draft; ``auto``: bf16 where the device has native bfloat16."""
+    if cfg.mixed_precision != "auto":
+        return cfg.mixed_precision
+    return "bf16" if resolve_dtype("auto", device) == torch.bfloat16 else "no"
+
+
 def build_models(cfg: DistillConfig, device: torch.device):
-    """(target, tokenizer, draft): the frozen teacher and the trainable draft."""
+    """(target, tokenizer, draft): the frozen teacher and the trainable draft.
+
+    The draft is built from the float32 target; the teacher is then cast to ``teacher_dtype``.
+    """
     target, tokenizer = load_target(cfg, device)
+    draft = _build_draft(cfg, target, tokenizer, device)
+    return target.to(teacher_dtype(cfg, device)), tokenizer, draft
+
+
+def _build_draft(cfg: DistillConfig, target, tokenizer, device: torch.device):
     if cfg.draft_init == "truncate":
         draft = truncate_target(target, cfg.draft_layers)
     elif cfg.draft_init == "early_exit":
         draft = EarlyExitDraft(target, _early_exit_k(cfg.draft_layers), adapter=cfg.early_exit_adapter)
-        return target, tokenizer, draft.train()  # its shared layers, embeddings and head are the target's, frozen
+        return draft.train()  # its shared layers, embeddings and head are the target's, frozen
     elif cfg.draft_init == "config":
         draft = new_config_draft(target, cfg.draft_config)
     else:
@@ -82,7 +113,7 @@ def build_models(cfg: DistillConfig, device: torch.device):
         draft.get_output_embeddings().requires_grad_(False)
     if cfg.lora_r:
         draft = add_lora(draft, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules)
-    return target, tokenizer, draft
+    return draft
 
 
 def build_examples(cfg: DistillConfig, target, tokenizer, accelerator: Accelerator) -> tuple[list[dict], list[dict]]:
@@ -189,9 +220,12 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
     """
     # ---- setup ---------------------------------------------------------------------------------
     device = resolve_device(None if cfg.device == "auto" else cfg.device)
+    # accelerate keeps one precision setting per process; a process that trains again (a notebook,
+    # a benchmark) may ask for another. The distributed set-up (PartialState) is kept.
+    AcceleratorState._reset_state()
     # The schedule counts optimizer steps; by default accelerate would advance it once per process.
     accelerator = Accelerator(
-        mixed_precision=cfg.mixed_precision, cpu=device.type == "cpu", step_scheduler_with_optimizer=False
+        mixed_precision=mixed_precision(cfg, device), cpu=device.type == "cpu", step_scheduler_with_optimizer=False
     )
     set_seed(cfg.seed)
     run_dir = Path(cfg.output_dir)
@@ -203,7 +237,9 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Path:
     train_examples, heldout_examples = build_examples(cfg, target, tokenizer, accelerator)
     if accelerator.is_main_process:
         draft_vocab.save_ranking(run_dir, draft_vocab.rank_tokens(train_examples))
-    cost_ratio = measure_cost_ratio(target, draft) if accelerator.is_main_process else float("nan")
+    cost_ratio = float("nan")
+    if accelerator.is_main_process:
+        cost_ratio = measure_cost_ratio(target, _in_dtype_of(draft, target))
     print0(
         accelerator,
         f"draft: {count_parameters(draft) / 1e6:.2f} M parameters "
@@ -349,7 +385,7 @@ def _teacher(cfg: DistillConfig, target, examples: list[dict], pad: int, acceler
         )
     for i, example in enumerate(examples):
         example["index"] = i
-    key = teacher_cache.cache_key(cfg.target, examples, cfg.teacher_top_k, 1.0)
+    key = teacher_cache.cache_key(cfg.target, target.dtype, examples, cfg.teacher_top_k, 1.0)
     folder = draftsmith_home() / "teacher-cache" / key
     with accelerator.main_process_first():
         teacher_cache.build(
@@ -403,7 +439,7 @@ def _speedup_during_training(
     if accelerator.is_main_process:
         prompts_file = ddata.EVAL_PROMPTS if cfg.eval_prompts == "builtin" else cfg.eval_prompts
         prompts = read_prompts(prompts_file)[: cfg.eval_limit]
-        model = accelerator.unwrap_model(draft)
+        model = _in_dtype_of(accelerator.unwrap_model(draft), target)
         was_training = model.training
         model.eval()
         result = speedup.measure_draft(
@@ -433,6 +469,12 @@ def _speedup_during_training(
             f"(alpha {result['acceptance_rate']:.3f})"
         )
     accelerator.wait_for_everyone()
+
+
+def _in_dtype_of(draft, target):
+    """The draft as it will decode next to ``target``: a copy cast to the target's dtype when they differ."""
+    dtype = next(draft.parameters()).dtype
+    return draft if dtype == target.dtype else copy.deepcopy(draft).to(target.dtype)
 
 
 def _early_exit_k(layers: str) -> int:

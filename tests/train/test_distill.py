@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from scripts.cli import main
+from specdec import loading
 from specdec.errors import DraftsmithError
+from train import loop
 from train.config import DistillConfig, load_config
 from train.loop import train
 
@@ -84,6 +87,8 @@ def test_incomplete_checkpoint_is_skipped(tmp_path, capsys):
         (["loss=mse"], "loss must be one of"),
         (["lr=-1"], "lr must be > 0"),
         (["dataset=./missing.jsonl"], "data file not found: ./missing.jsonl"),
+        (["teacher_dtype=half"], "teacher_dtype must be auto, float32, bfloat16 or float16"),
+        (["draft_init=early_exit", "teacher_dtype=bfloat16"], "early_exit drafts share the target's layers"),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path, capsys, args, message):
@@ -207,3 +212,53 @@ def test_speedup_measured_during_training(tmp_path):
     for r in records:
         assert r["greedy_match"] == 1.0 and r["best_gamma"] in (1, 2) and r["speedup"] > 0
         assert 1.0 <= r["mean_accepted_tokens"] <= 3.0
+
+
+def test_bfloat16_teacher_and_autocast_train_a_float32_draft(tmp_path):
+    cfg = tiny_cfg(
+        tmp_path,
+        teacher_dtype="bfloat16",
+        mixed_precision="bf16",
+        max_steps=10,
+        save_steps=10,
+        log_steps=5,
+        eval_speedup_steps=10,
+        eval_gammas="[1, 2]",
+    )
+    run = train(cfg)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert metrics[-1]["acceptance_rate"] > metrics[0]["acceptance_rate"]
+    weights = load_file(run / "checkpoint-10" / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.float32}  # the draft trains and saves in float32
+    # Measured during training with the draft cast to the teacher's dtype: greedy output stays the target's.
+    (record,) = read_jsonl(run / "speedup.jsonl")
+    assert record["greedy_match"] == 1.0 and record["speedup"] > 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_follows_native_bfloat16(tmp_path, monkeypatch, native):
+    monkeypatch.setattr(loading, "cpu_has_native_bfloat16", lambda: native)
+    cpu = torch.device("cpu")
+    cfg = tiny_cfg(tmp_path, teacher_dtype="auto", mixed_precision="auto")
+    assert loop.teacher_dtype(cfg, cpu) == (torch.bfloat16 if native else torch.float32)
+    assert loop.mixed_precision(cfg, cpu) == ("bf16" if native else "no")
+    assert loop.mixed_precision(tiny_cfg(tmp_path, mixed_precision="no"), cpu) == "no"
+    early_exit = tiny_cfg(tmp_path, teacher_dtype="auto", draft_init="early_exit")
+    assert loop.teacher_dtype(early_exit, cpu) == torch.float32  # its shared layers are the target's
+
+
+def test_target_answers_are_cached_per_target_dtype(tmp_path):
+    from distill.data import cached_target_responses
+    from distill.tiny import tiny_target
+    from specdec.sampling import SamplingParams
+
+    target, _ = tiny_target(seed=0, num_hidden_layers=1)
+    prompts = [[5, 6, 7], [8, 9]]
+
+    def answers(model):
+        return cached_target_responses(tmp_path, "tiny", model, prompts, 4, SamplingParams(), frozenset(), 2, 0, False)
+
+    first = answers(target)
+    assert answers(target) == first and len(list(tmp_path.glob("target-responses-*"))) == 1
+    answers(target.to(torch.bfloat16))
+    assert len(list(tmp_path.glob("target-responses-*"))) == 2  # not the float32 answers read back
