@@ -36,6 +36,12 @@ def median(xs):
     return statistics.median(xs)
 
 
+def tokens_per_s(run: Path) -> float:
+    """A distillation run's training tokens/s over its last logged window (metrics.jsonl)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return records[-1]["tokens_per_s"]
+
+
 def save(name: str, result: dict) -> None:
     out = Path(__file__).parent / "results" / f"{name}.json"
     out.parent.mkdir(exist_ok=True)

@@ -13,18 +13,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from common import median, save
+from common import median, save, tokens_per_s
 
 from specdec.loading import draftsmith_home
 from train.config import DistillConfig, load_config
 from train.loop import train
 
 CONFIG = Path(__file__).parents[1] / "configs" / "smollm2-135m.yaml"
-
-
-def tokens_per_s(run: Path) -> float:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return records[-1]["tokens_per_s"]
 
 
 def main() -> None:

@@ -14,12 +14,11 @@ Run: .venv/bin/python benchmarks/train_throughput.py [--steps 8 --repeats 2]
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 from pathlib import Path
 
-from common import median, save
+from common import median, save, tokens_per_s
 
 from train.config import DistillConfig, load_config
 from train.loop import train
@@ -30,11 +29,6 @@ ARMS = {
     "bf16 teacher": ["teacher_dtype=bfloat16", "mixed_precision=no"],
     "bf16 + amp": ["teacher_dtype=bfloat16", "mixed_precision=bf16"],
 }
-
-
-def tokens_per_s(run: Path) -> float:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return records[-1]["tokens_per_s"]
 
 
 def main() -> None:
