@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     args = parser.parse_args()
     ckpt = Path(args.checkpoint)
-    ranking = load_ranking(ckpt.parent)[: args.draft_vocab]
+    ranking = load_ranking(ckpt.parent, args.draft_vocab)
     models = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         target, tokenizer, eos = default_target(dtype=dtype)

@@ -161,8 +161,9 @@ def cached_target_responses(
     progress: bool = True,
 ) -> list[list[int]]:
     """The target's responses, generated once per (target and its dtype, prompts, settings), saved with ``datasets``."""
-    settings = [target_name, str(target.dtype), max_new_tokens, sampling.__dict__, sorted(eos_ids), seed]
-    key_src = json.dumps([*settings, prompts])
+    key_src = json.dumps(
+        [target_name, str(target.dtype), max_new_tokens, sampling.__dict__, sorted(eos_ids), seed, prompts]
+    )
     folder = cache_root / f"target-responses-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
     if (folder / "dataset_info.json").is_file():
         return datasets.load_from_disk(str(folder))["response_ids"]

@@ -113,15 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cut_head(args, draft, early_exit: bool, eos: frozenset[int]):
     """The draft with its head cut to the ``--draft-vocab`` most frequent tokens of its run."""
-    if args.draft_vocab < 0:
-        raise DraftsmithError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
     folder = Path(args.draft)
     if early_exit or not folder.is_dir():
         raise DraftsmithError("--draft-vocab needs a trained draft folder from a distillation run (not self/truncate)")
     if args.compare_hf:
         raise DraftsmithError("--compare-hf times transformers with the full draft; leave out --draft-vocab there")
     source = folder if (folder / draft_vocab.FILE).is_file() else folder.parent
-    return draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(source)[: args.draft_vocab], eos)
+    return draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(source, args.draft_vocab), eos)
 
 
 def main(argv: list[str] | None = None) -> int:

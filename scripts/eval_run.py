@@ -110,9 +110,7 @@ def run(
     torch_dtype = resolve_dtype(dtype, dev)
     target, tokenizer = load_target(cfg, dev, torch_dtype)
     eos = eos_token_ids(target, tokenizer)
-    if draft_vocab_size < 0:
-        raise DraftsmithError(f"--draft-vocab must be >= 0, got {draft_vocab_size}")
-    ranking = draft_vocab.load_ranking(run_dir)[:draft_vocab_size] if draft_vocab_size else None
+    ranking = draft_vocab.load_ranking(run_dir, draft_vocab_size) if draft_vocab_size else None
 
     report = speedup.load_report(run_dir)
     settings = {

@@ -111,6 +111,12 @@ def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:
     }
     report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else None
     results = (report or {}).get("results", {}).get(ckpt.name, {})
+    layers = ""
+    if cfg.draft_init == "truncate":
+        if str(cfg.draft_layers).strip().isdigit():
+            layers = f" of the target's first {cfg.draft_layers} layers"
+        else:
+            layers = f" of the target's layers {cfg.draft_layers}"
     lines = [
         "---",
         yaml.safe_dump(meta, sort_keys=False).strip(),
@@ -119,16 +125,7 @@ def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:
         f"# Draft model for {base_model}",
         "",
         f"A draft for speculative decoding with `{base_model}` as the target, distilled with draftsmith "
-        f"(loss `{cfg.loss}`, data `{cfg.data}`, draft `{cfg.draft_init}`"
-        + (
-            (
-                f" of the target's first {cfg.draft_layers} layers"
-                if str(cfg.draft_layers).strip().isdigit()
-                else f" of the target's layers {cfg.draft_layers}"
-            )
-            if cfg.draft_init == "truncate"
-            else ""
-        )
+        f"(loss `{cfg.loss}`, data `{cfg.data}`, draft `{cfg.draft_init}`{layers}"
         + f", {json.loads((ckpt / checkpoint.MARKER).read_text())['step']} steps). "
         "Speculative decoding keeps the target's output unchanged; the draft only makes it faster.",
         "",
@@ -136,18 +133,17 @@ def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:
         "",
     ]
     if results:
+        dtype = f" in {report['dtype']}" if report.get("dtype") else ""
+        cut_head = (
+            f", with the draft's head cut to the {report['draft_vocab']} tokens most frequent in the training "
+            "answers (frequency-ranked drafting; the published model keeps its full head)"
+            if report.get("draft_vocab")
+            else ""
+        )
         lines += [
-            f"Measured by `draftsmith eval-run` with its bundled speculative decoder on {report['hardware']}"
-            + (f" in {report['dtype']}" if report.get("dtype") else "")
-            + ", "
-            + f"prompts `{report['prompts']}`, {report['max_new_tokens']} new tokens, against a KV-cached "
-            "target-only decoder"
-            + (
-                f", with the draft's head cut to the {report['draft_vocab']} tokens most frequent in the training "
-                "answers (frequency-ranked drafting; the published model keeps its full head):"
-                if report.get("draft_vocab")
-                else ":"
-            ),
+            f"Measured by `draftsmith eval-run` with its bundled speculative decoder on {report['hardware']}{dtype}, "
+            f"prompts `{report['prompts']}`, {report['max_new_tokens']} new tokens, against a KV-cached "
+            f"target-only decoder{cut_head}:",
             "",
             "| temperature | gamma | acceptance rate | mean accepted tokens | speedup |",
             "|---|---|---|---|---|",

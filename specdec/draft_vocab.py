@@ -42,7 +42,10 @@ def save_ranking(folder: Path, ranking: list[int]) -> None:
     tmp.replace(folder / FILE)
 
 
-def load_ranking(folder: Path) -> list[int]:
+def load_ranking(folder: Path, size: int | None = None) -> list[int]:
+    """The run's token ranking, most frequent first; only the first ``size`` when given."""
+    if size is not None and size < 0:
+        raise DraftsmithError(f"--draft-vocab must be >= 0, got {size}")
     path = folder / FILE
     if not path.is_file():
         raise DraftsmithError(
@@ -50,9 +53,10 @@ def load_ranking(folder: Path) -> list[int]:
             "train with this version first, or leave out --draft-vocab"
         )
     try:
-        return [int(t) for t in json.loads(path.read_text())["token_ids"]]
+        ranking = [int(t) for t in json.loads(path.read_text())["token_ids"]]
     except (ValueError, KeyError, TypeError) as err:
         raise DraftsmithError(f"{path}: expected {{'token_ids': [int, ...]}} ({err})") from err
+    return ranking[:size]
 
 
 class SubsetHeadDraft(nn.Module):
