@@ -12,9 +12,9 @@ import argparse
 import torch
 from common import default_target, median, prompt_ids, save
 
-from distill.draft_init import truncate_target
-from specdec.decoder import speculative_generate, target_generate
-from specdec.loading import load_model
+from draftsmith.distill.draft_init import truncate_target
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.loading import load_model
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ import argparse
 
 from common import default_target, median, prompt_ids, save, timed
 
-from distill.draft_init import truncate_target
-from specdec.cache import CACHE_KINDS
-from specdec.decoder import speculative_generate, target_generate
+from draftsmith.distill.draft_init import truncate_target
+from draftsmith.specdec.cache import CACHE_KINDS
+from draftsmith.specdec.decoder import speculative_generate, target_generate
 
 
 def main() -> None:

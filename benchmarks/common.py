@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
-from specdec.prompts import encode_chat, read_prompts
+from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
+from draftsmith.specdec.prompts import encode_chat, read_prompts
 
 PROMPTS = Path(__file__).parents[1] / "distill" / "data" / "eval_prompts.jsonl"  # held out from training
 

@@ -18,7 +18,7 @@ import time
 import torch
 from common import median, save
 
-from specdec.attention import _one_query
+from draftsmith.specdec.attention import _one_query
 
 
 def per_call(fn, calls: int) -> float:

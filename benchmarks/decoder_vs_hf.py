@@ -16,11 +16,11 @@ import argparse
 import torch
 from common import default_target, median, prompt_ids, save, timed
 
-from distill.draft_init import truncate_target
-from specdec.decoder import speculative_generate, target_generate
-from specdec.evaluate import hf_generate, predicted_speedup
-from specdec.loading import resolve_dtype
-from specdec.sampling import SamplingParams
+from draftsmith.distill.draft_init import truncate_target
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.evaluate import hf_generate, predicted_speedup
+from draftsmith.specdec.loading import resolve_dtype
+from draftsmith.specdec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 

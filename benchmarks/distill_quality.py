@@ -20,12 +20,12 @@ import torch
 from accelerate import Accelerator
 from common import save
 
-from distill.draft_init import truncate_target
-from distill.losses import acceptance_probability
-from specdec.decoder import speculative_generate
-from specdec.loading import eos_token_ids, load_model
-from train.config import DistillConfig, load_config
-from train.loop import build_examples, build_models, train
+from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.losses import acceptance_probability
+from draftsmith.specdec.decoder import speculative_generate
+from draftsmith.specdec.loading import eos_token_ids, load_model
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import build_examples, build_models, train
 
 CONFIG = Path(__file__).parents[1] / "configs" / "smollm2-135m.yaml"
 

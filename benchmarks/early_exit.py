@@ -17,9 +17,9 @@ import argparse
 import torch
 from common import PROMPTS, default_target, save
 
-from distill.draft_init import draft_decoder, load_draft
-from specdec.evaluate import evaluate_pair
-from specdec.prompts import read_prompts
+from draftsmith.distill.draft_init import draft_decoder, load_draft
+from draftsmith.specdec.evaluate import evaluate_pair
+from draftsmith.specdec.prompts import read_prompts
 
 
 def main() -> None:

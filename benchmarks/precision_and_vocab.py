@@ -22,10 +22,10 @@ from unittest import mock
 import torch
 from common import default_target, median, prompt_ids, save, timed
 
-import specdec.decoder
-from specdec.decoder import speculative_generate, target_generate
-from specdec.draft_vocab import SubsetHeadDraft, load_ranking
-from specdec.loading import load_model
+from draftsmith.specdec import decoder as decoder_module
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.draft_vocab import SubsetHeadDraft, load_ranking
+from draftsmith.specdec.loading import load_model
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
     n, gamma = args.max_new_tokens, args.gamma
 
     def plain_steps(target, ids):
-        with mock.patch.object(specdec.decoder, "needs_row_padding", lambda model: False):
+        with mock.patch.object(decoder_module, "needs_row_padding", lambda model: False):
             return target_generate(target, [ids], n, eos_ids=eos)
 
     runs = {

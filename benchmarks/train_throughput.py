@@ -20,8 +20,8 @@ from pathlib import Path
 
 from common import median, save, tokens_per_s
 
-from train.config import DistillConfig, load_config
-from train.loop import train
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import train
 
 CONFIG = Path(__file__).parents[1] / "configs" / "smollm2-135m.yaml"
 ARMS = {

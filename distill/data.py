@@ -25,10 +25,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.decoder import target_generate
-from specdec.errors import DraftsmithError
-from specdec.prompts import encode_chat
-from specdec.sampling import SamplingParams
+from draftsmith.specdec.decoder import target_generate
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.prompts import encode_chat
+from draftsmith.specdec.sampling import SamplingParams
 
 BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
 EVAL_PROMPTS = Path(__file__).parent / "data" / "eval_prompts.jsonl"  # held out: never used for training

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from specdec.errors import DraftsmithError
+from draftsmith.specdec.errors import DraftsmithError
 
 
 def parse_layers(spec: int | str | Sequence[int], num_layers: int) -> list[int]:
@@ -94,7 +94,7 @@ def add_lora(draft: PreTrainedModel, rank: int, alpha: int, target_modules: list
 @torch.no_grad()
 def measure_cost_ratio(target: PreTrainedModel, draft: PreTrainedModel, prompt_len: int = 32, steps: int = 16) -> float:
     """c = one draft decoding step / one target decoding step, timed with the bundled decoder's baseline."""
-    from specdec.decoder import target_generate
+    from draftsmith.specdec.decoder import target_generate
 
     prompt = [list(range(1, prompt_len + 1))]
     step_time = {}
@@ -111,8 +111,8 @@ def measure_cost_ratio(target: PreTrainedModel, draft: PreTrainedModel, prompt_l
 def load_draft(spec: str, target: PreTrainedModel, device: torch.device, dtype: torch.dtype):
     """A draft to evaluate, by spec: ``self`` (the target), ``truncate:LAYERS`` or ``early_exit:K`` of the
     target (untrained), an early-exit checkpoint folder, or any model ``load_model`` takes."""
-    from distill.early_exit import EarlyExitDraft, is_early_exit
-    from specdec.loading import load_model
+    from draftsmith.distill.early_exit import EarlyExitDraft, is_early_exit
+    from draftsmith.specdec.loading import load_model
 
     if spec == "self":
         return target
@@ -127,8 +127,8 @@ def load_draft(spec: str, target: PreTrainedModel, device: torch.device, dtype: 
 
 def draft_decoder(draft, kv_reuse: bool = True):
     """The speculative decoder for ``draft``: with KV reuse for an early-exit draft, else the standalone one."""
-    from distill.early_exit import EarlyExitDraft
-    from specdec.decoder import speculative_generate
-    from specdec.self_spec import self_speculative_generate
+    from draftsmith.distill.early_exit import EarlyExitDraft
+    from draftsmith.specdec.decoder import speculative_generate
+    from draftsmith.specdec.self_spec import self_speculative_generate
 
     return self_speculative_generate if kv_reuse and isinstance(draft, EarlyExitDraft) else speculative_generate

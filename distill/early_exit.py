@@ -24,7 +24,7 @@ from transformers import Cache, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from specdec.errors import DraftsmithError
+from draftsmith.specdec.errors import DraftsmithError
 
 META = "early_exit.json"
 WEIGHTS = "exit_head.safetensors"

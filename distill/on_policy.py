@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from distill.data import collate, generate_responses, target_examples
-from specdec.sampling import SamplingParams
+from draftsmith.distill.data import collate, generate_responses, target_examples
+from draftsmith.specdec.sampling import SamplingParams
 
 
 def example_prompt(example: dict) -> list[int]:

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from distill.data import collate
-from distill.losses import densify_topk
+from draftsmith.distill.data import collate
+from draftsmith.distill.losses import densify_topk
 
 
 def cache_key(target_name: str, dtype: torch.dtype, examples: list[dict], top_k: int, temperature: float) -> str:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import importlib
 import sys
 
-from specdec.errors import DraftsmithError
+from draftsmith.specdec.errors import DraftsmithError
 
 COMMANDS = {
-    "distill": ("scripts.distill", "distill the target into a draft with acceptance-oriented losses"),
-    "eval-run": ("scripts.eval_run", "measure every checkpoint of a run, choose gamma, mark the best one"),
-    "publish": ("scripts.publish", "write a checkpoint as a standard draft model folder, optionally push it"),
-    "quickstart": ("scripts.quickstart", "the whole job on the embedded default target: distill, measure, publish"),
-    "eval": ("scripts.eval", "measure a (target, draft) pair: acceptance rate, tau, real and predicted speedup"),
+    "distill": ("draftsmith.distill_cmd", "distill the target into a draft with acceptance-oriented losses"),
+    "eval-run": ("draftsmith.eval_run", "measure every checkpoint of a run, choose gamma, mark the best one"),
+    "publish": ("draftsmith.publish", "write a checkpoint as a standard draft model folder, optionally push it"),
+    "quickstart": ("draftsmith.quickstart", "the whole job on the embedded default target: distill, measure, publish"),
+    "eval": ("draftsmith.eval", "measure a (target, draft) pair: acceptance rate, tau, real and predicted speedup"),
 }
 
 USAGE = "usage: draftsmith COMMAND [options]   (draftsmith COMMAND --help for its options)\n\ncommands:\n" + "\n".join(

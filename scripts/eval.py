@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from distill.draft_init import draft_decoder, load_draft
-from distill.early_exit import EarlyExitDraft
-from specdec import draft_vocab
-from specdec.cache import CACHE_KINDS
-from specdec.errors import DraftsmithError
-from specdec.evaluate import evaluate_pair, format_table
-from specdec.loading import (
+from draftsmith.distill.draft_init import draft_decoder, load_draft
+from draftsmith.distill.early_exit import EarlyExitDraft
+from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.cache import CACHE_KINDS
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.evaluate import evaluate_pair, format_table
+from draftsmith.specdec.loading import (
     DEFAULT_TARGET,
     check_compatible,
     eos_token_ids,
@@ -23,9 +23,9 @@ from specdec.loading import (
     resolve_device,
     resolve_dtype,
 )
-from specdec.prompts import read_prompts
-from specdec.sampling import SamplingParams
-from specdec.self_spec import measure_verify_saving
+from draftsmith.specdec.prompts import read_prompts
+from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.self_spec import measure_verify_saving
 
 DESCRIPTION = """Measure how much faster a draft makes a target: acceptance rate, mean accepted tokens (tau),
 tokens/s of the target alone and of speculative decoding (interleaved, median over repeats), the

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import yaml
 
-from distill.draft_init import draft_decoder, load_draft
-from distill.early_exit import META as EE_META
-from distill.early_exit import WEIGHTS as EE_WEIGHTS
-from distill.early_exit import is_early_exit
-from specdec import draft_vocab
-from specdec.errors import DraftsmithError
-from specdec.loading import eos_token_ids, resolve_device, resolve_dtype
-from specdec.prompts import read_prompts
-from train import speedup
-from train.config import DistillConfig
-from train.loop import load_target
+from draftsmith.distill.draft_init import draft_decoder, load_draft
+from draftsmith.distill.early_exit import META as EE_META
+from draftsmith.distill.early_exit import WEIGHTS as EE_WEIGHTS
+from draftsmith.distill.early_exit import is_early_exit
+from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dtype
+from draftsmith.specdec.prompts import read_prompts
+from draftsmith.train import speedup
+from draftsmith.train.config import DistillConfig
+from draftsmith.train.loop import load_target
 
 EPILOG = """Writes RUN_DIR/speedup_report.json, speedup_report.md, speedup.png and best.json.
 Drafts already measured (same prompts, gammas, tokens) are not measured again unless --force.

@@ -12,15 +12,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from distill.early_exit import is_early_exit
-from specdec.decoder import target_generate
-from specdec.errors import DraftsmithError
-from specdec.loading import check_compatible, load_model, load_tokenizer
-from specdec.prompts import encode_chat
-from train import checkpoint
-from train.config import DistillConfig
-from train.loop import load_target
-from train.speedup import REPORT
+from draftsmith.distill.early_exit import is_early_exit
+from draftsmith.specdec.decoder import target_generate
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import check_compatible, load_model, load_tokenizer
+from draftsmith.specdec.prompts import encode_chat
+from draftsmith.train import checkpoint
+from draftsmith.train.config import DistillConfig
+from draftsmith.train.loop import load_target
+from draftsmith.train.speedup import REPORT
 
 # Hub ids of the built-in aliases, for the model card's base_model.
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}

@@ -12,10 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import train
 from scripts import eval_run, publish
-from specdec.errors import DraftsmithError
-from train.config import DistillConfig, load_config
-from train.loop import train
 
 CONFIG = Path(__file__).parents[1] / "configs" / "smollm2-135m.yaml"
 EVAL_PROMPTS = Path(__file__).parents[1] / "distill" / "data" / "eval_prompts.jsonl"

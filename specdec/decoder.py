@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from specdec.attention import use_exact_attention
-from specdec.cache import SlotTracker, default_cache_kind, make_cache, select_batch
-from specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits, sample
+from draftsmith.specdec.attention import use_exact_attention
+from draftsmith.specdec.cache import SlotTracker, default_cache_kind, make_cache, select_batch
+from draftsmith.specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits, sample
 
 
 @dataclass

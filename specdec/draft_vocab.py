@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from specdec.errors import DraftsmithError
+from draftsmith.specdec.errors import DraftsmithError
 
 FILE = "draft_vocab.json"
 

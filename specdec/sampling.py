@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.errors import DraftsmithError
+from draftsmith.specdec.errors import DraftsmithError
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import torch
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from specdec.attention import use_exact_attention
-from specdec.cache import SlotCache
-from specdec.decoder import (
+from draftsmith.specdec.attention import use_exact_attention
+from draftsmith.specdec.cache import SlotCache
+from draftsmith.specdec.decoder import (
     DecodeStats,
     _check_prompts,
     _choose,
@@ -32,8 +32,8 @@ from specdec.decoder import (
     needs_row_padding,
     propose,
 )
-from specdec.errors import DraftsmithError
-from specdec.sampling import SamplingParams
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.sampling import SamplingParams
 
 
 def _upper_logits(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from distill.losses import LOSSES
-from specdec.errors import DraftsmithError
+from draftsmith.distill.losses import LOSSES
+from draftsmith.specdec.errors import DraftsmithError
 
 
 @dataclass

@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from distill import data as ddata
-from distill import teacher_cache
-from distill.draft_init import (
+from draftsmith.distill import data as ddata
+from draftsmith.distill import teacher_cache
+from draftsmith.distill.draft_init import (
     add_lora,
     count_parameters,
     draft_decoder,
@@ -35,13 +35,13 @@ from distill.draft_init import (
     new_config_draft,
     truncate_target,
 )
-from distill.early_exit import EarlyExitDraft
-from distill.losses import acceptance_probability, cross_entropy, token_losses
-from distill.on_policy import OnPolicyMixer, example_prompt
-from distill.tiny import tiny_target
-from specdec import draft_vocab
-from specdec.errors import DraftsmithError
-from specdec.loading import (
+from draftsmith.distill.early_exit import EarlyExitDraft
+from draftsmith.distill.losses import acceptance_probability, cross_entropy, token_losses
+from draftsmith.distill.on_policy import OnPolicyMixer, example_prompt
+from draftsmith.distill.tiny import tiny_target
+from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import (
     check_compatible,
     draftsmith_home,
     eos_token_ids,
@@ -50,10 +50,10 @@ from specdec.loading import (
     resolve_device,
     resolve_dtype,
 )
-from specdec.prompts import encode_chat, read_prompts
-from specdec.sampling import SamplingParams
-from train import checkpoint, speedup
-from train.config import DistillConfig, save_config
+from draftsmith.specdec.prompts import encode_chat, read_prompts
+from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.train import checkpoint, speedup
+from draftsmith.train.config import DistillConfig, save_config
 
 
 def print0(accelerator: Accelerator, *args) -> None:

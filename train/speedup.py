@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.decoder import speculative_generate
-from specdec.evaluate import alpha_from_tau, evaluate_pair, predicted_speedup
-from specdec.prompts import Prompt
-from specdec.sampling import SamplingParams
-from train import checkpoint
+from draftsmith.specdec.decoder import speculative_generate
+from draftsmith.specdec.evaluate import alpha_from_tau, evaluate_pair, predicted_speedup
+from draftsmith.specdec.prompts import Prompt
+from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.train import checkpoint
 
 REPORT = "speedup_report.json"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distill.losses import (
+from draftsmith.distill.losses import (
     LOSSES,
     acceptance_probability,
     accepted_length,

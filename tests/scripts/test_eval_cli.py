@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from scripts.cli import main
+from draftsmith.cli import main
 from tests.helpers import save_tiny_pair
 
 
@@ -139,7 +139,7 @@ def test_early_exit_draft_with_and_without_kv_reuse(pair, prompts, tmp_path, cap
 def test_draft_vocab_cuts_the_head_and_keeps_greedy_output(pair, prompts, tmp_path, capsys):
     import shutil
 
-    from specdec.draft_vocab import save_ranking
+    from draftsmith.specdec.draft_vocab import save_ranking
 
     run = tmp_path / "run"
     checkpoint = run / "checkpoint-5"

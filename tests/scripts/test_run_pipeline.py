@@ -7,10 +7,10 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from scripts.cli import main
-from specdec.decoder import target_generate
-from train.config import DistillConfig, load_config
-from train.loop import train
+from draftsmith.cli import main
+from draftsmith.specdec.decoder import target_generate
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import train
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")

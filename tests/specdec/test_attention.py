@@ -7,9 +7,9 @@ those shapes sum in another order than the multi-row ones, which a smaller toy m
 import pytest
 import torch
 
-from specdec.attention import EXACT, use_exact_attention
-from specdec.cache import make_cache
-from specdec.decoder import _Stream, speculative_generate, target_generate
+from draftsmith.specdec.attention import EXACT, use_exact_attention
+from draftsmith.specdec.cache import make_cache
+from draftsmith.specdec.decoder import _Stream, speculative_generate, target_generate
 from tests.helpers import noisy_copy, tiny_llama
 
 
@@ -73,8 +73,8 @@ def test_exact_attention_leaves_a_static_cache_to_sdpa_and_stays_correct():
 
 
 def test_bfloat16_self_speculative_output_is_the_targets(wide_pair):
-    from distill.early_exit import EarlyExitDraft
-    from specdec.self_spec import self_speculative_generate
+    from draftsmith.distill.early_exit import EarlyExitDraft
+    from draftsmith.specdec.self_spec import self_speculative_generate
 
     target, _ = wide_pair
     draft = EarlyExitDraft(target, 3, adapter=False).eval()

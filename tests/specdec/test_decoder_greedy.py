@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from specdec.cache import CACHE_KINDS
-from specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.cache import CACHE_KINDS
+from draftsmith.specdec.decoder import speculative_generate, target_generate
 from tests.helpers import noisy_copy, tiny_llama
 
 PROMPTS = [[0, 5, 7, 9], [0, 3], [0, 8, 8, 8, 8, 8, 2, 11, 4], [0], [0, 9, 9, 1, 2]]
@@ -151,7 +151,7 @@ def test_padded_verification_is_exact(target, draft, batch_size):
 
 
 def test_tune_verify_widths_pads_upwards_only(target):
-    from specdec.decoder import tune_verify_widths
+    from draftsmith.specdec.decoder import tune_verify_widths
 
     widths = tune_verify_widths(target, 5, context=16, reps=3)
     assert all(1 <= q <= 5 and q < w <= 9 for q, w in widths.items())

@@ -8,9 +8,9 @@ tokens is enumerated over all V^3 prefixes. Thousands of sequences are decoded i
 import pytest
 import torch
 
-import specdec.decoder
-from specdec.decoder import speculative_generate
-from specdec.sampling import SamplingParams, process_logits
+from draftsmith.specdec import decoder as decoder_module
+from draftsmith.specdec.decoder import speculative_generate
+from draftsmith.specdec.sampling import SamplingParams, process_logits
 from tests.helpers import chi_square_z, noisy_copy, tiny_llama
 
 V = 12
@@ -111,7 +111,7 @@ def test_always_accept_fails_the_same_fit(target, drafts, monkeypatch):
     def always_accept(d, q, p, n_proposed, generator=None):
         return n_proposed.clone(), torch.multinomial(p[torch.arange(len(d)), n_proposed], 1, generator=generator)[:, 0]
 
-    monkeypatch.setattr(specdec.decoder, "accept_sampled", always_accept)
+    monkeypatch.setattr(decoder_module, "accept_sampled", always_accept)
     params = SamplingParams(temperature=1.0)
     a, _, _ = sample_spec(target, drafts["weak"], params, 3)
     scores = fit_scores(a, exact_joint(target, PROMPTS[0], params))

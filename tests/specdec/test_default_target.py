@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from distill.draft_init import truncate_target
-from specdec.decoder import speculative_generate, target_generate
-from specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
-from specdec.prompts import encode_chat
+from draftsmith.distill.draft_init import truncate_target
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
+from draftsmith.specdec.prompts import encode_chat
 
 pytestmark = pytest.mark.slow
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from specdec.decoder import speculative_generate, target_generate
-from specdec.draft_vocab import SubsetHeadDraft, load_ranking, rank_tokens, save_ranking
-from specdec.errors import DraftsmithError
-from specdec.sampling import SamplingParams
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.draft_vocab import SubsetHeadDraft, load_ranking, rank_tokens, save_ranking
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.sampling import SamplingParams
 from tests.helpers import noisy_copy, tiny_llama
 from tests.specdec.test_decoder_sampling import V, assert_fits, sample_spec
 

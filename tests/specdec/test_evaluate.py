@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec.evaluate import alpha_from_tau, predicted_speedup
+from draftsmith.specdec.evaluate import alpha_from_tau, predicted_speedup
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 4, 8])

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from specdec.errors import DraftsmithError
-from specdec.loading import check_compatible, convert_gguf, resolve_model
-from specdec.prompts import encode_chat, read_prompts
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import check_compatible, convert_gguf, resolve_model
+from draftsmith.specdec.prompts import encode_chat, read_prompts
 from tests.helpers import tiny_tokenizer
 
 
@@ -96,7 +96,7 @@ def test_empty_and_missing_prompt_files(tmp_path):
 def test_load_model_with_a_device_map(tmp_path):
     import torch
 
-    from specdec.loading import load_model
+    from draftsmith.specdec.loading import load_model
     from tests.helpers import save_tiny_pair
 
     target, _ = save_tiny_pair(tmp_path)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specdec.errors import DraftsmithError
-from specdec.sampling import (
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.sampling import (
     SamplingParams,
     accept_greedy,
     accept_sampled,

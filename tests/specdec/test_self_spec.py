@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from distill.early_exit import EarlyExitDraft
-from specdec.decoder import speculative_generate, target_generate
-from specdec.errors import DraftsmithError
-from specdec.sampling import SamplingParams
-from specdec.self_spec import self_speculative_generate
+from draftsmith.distill.early_exit import EarlyExitDraft
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.self_spec import self_speculative_generate
 from tests.helpers import chi_square_z, tiny_llama
 from tests.specdec.test_decoder_sampling import exact_joint, fit_scores
 
@@ -67,7 +67,7 @@ def test_sampling_matches_the_target():
 
 
 def test_verify_saving_is_measured(target):
-    from specdec.self_spec import measure_verify_saving
+    from draftsmith.specdec.self_spec import measure_verify_saving
 
     result = measure_verify_saving(target, EarlyExitDraft(target, 2).eval(), gamma=3, context=16, reps=3)
     assert result["verify_s_kv_reuse"] > 0 and result["verify_s_full"] > 0

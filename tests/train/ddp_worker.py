@@ -6,8 +6,8 @@ from pathlib import Path
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from train.config import DistillConfig, load_config
-from train.loop import train
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import train
 
 
 def main() -> None:

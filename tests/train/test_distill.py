@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from scripts.cli import main
-from specdec import loading
-from specdec.errors import DraftsmithError
-from train import loop
-from train.config import DistillConfig, load_config
-from train.loop import train
+from draftsmith.cli import main
+from draftsmith.specdec import loading
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.train import loop
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import train
 
 TINY = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 
@@ -114,7 +114,7 @@ def test_dataset_without_usable_rows(tmp_path, capsys):
 
 
 def test_config_init_and_pretrained_lora_draft(tmp_path, capsys):
-    from distill.tiny import tiny_target
+    from draftsmith.distill.tiny import tiny_target
 
     run = train(
         tiny_cfg(
@@ -248,9 +248,9 @@ def test_auto_precision_follows_native_bfloat16(tmp_path, monkeypatch, native):
 
 
 def test_target_answers_are_cached_per_target_dtype(tmp_path):
-    from distill.data import cached_target_responses
-    from distill.tiny import tiny_target
-    from specdec.sampling import SamplingParams
+    from draftsmith.distill.data import cached_target_responses
+    from draftsmith.distill.tiny import tiny_target
+    from draftsmith.specdec.sampling import SamplingParams
 
     target, _ = tiny_target(seed=0, num_hidden_layers=1)
     prompts = [[5, 6, 7], [8, 9]]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train.config import DistillConfig, load_config
-from train.loop import train
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import train
 
 ROOT = Path(__file__).parents[2]
 COMMON = ["max_steps=4", "save_steps=4", "log_steps=2", "grad_accum=1"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from train.config import DistillConfig, load_config
-from train.loop import train
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import train
 
 EPILOG = """examples:
   draftsmith distill --config configs/tiny.yaml
   draftsmith distill --config configs/smollm2-135m.yaml max_steps=200 loss=forward_kl output_dir=runs/fkl
-  accelerate launch --config_file configs/accelerate/ddp.yaml -m scripts.cli distill --config ...
+  accelerate launch --config_file configs/accelerate/ddp.yaml -m draftsmith.cli distill --config ...
 
 Any config field can be overridden with key=value. Re-running the same command resumes from the
 last complete checkpoint in output_dir."""
