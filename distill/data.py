@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import datasets
@@ -27,7 +24,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.prompts import encode_chat
+from draftsmith.specdec.files import atomic_path
+from draftsmith.specdec.prompts import encode_chat, parse_prompt_row
 from draftsmith.specdec.sampling import SamplingParams
 
 BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
@@ -58,37 +56,27 @@ def load_rows(source: str, split: str = "train") -> datasets.Dataset:
         raise DraftsmithError(f"could not load dataset {source!r} (split {split!r}): {err}") from err
 
 
-def prompt_messages(row: dict) -> list[dict]:
-    """The conversation awaiting a reply, from a row with ``messages``, ``prompt``, ``turns`` or ``text``."""
-    if "messages" in row and row["messages"]:
-        messages = [m for m in row["messages"]]
-        while messages and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        return messages
-    for key in ("prompt", "instruction", "question", "text"):
-        if isinstance(row.get(key), str) and row[key].strip():
-            return [{"role": "user", "content": row[key]}]
-    if isinstance(row.get("turns"), list) and row["turns"]:
-        return [{"role": "user", "content": row["turns"][0]}]
-    return []
+def encode_prompt_rows(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, source: str) -> list[list[int]]:
+    """Chat-encoded prompts of dataset rows (``prompt``, ``messages`` or ``turns``: ``parse_prompt_row``)."""
+    prompts = []
+    for index, row in enumerate(rows):
+        prompt = parse_prompt_row(row, f"{source}, row {index}", default_id=index)
+        prompts.append(encode_chat(tokenizer, prompt.turns[0], prompt.text))
+    return prompts
 
 
 def chat_example(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int) -> dict | None:
     """Token ids of a chat with a mask on the positions that predict assistant tokens."""
-    ids = encode_chat_full(tokenizer, messages)
+    ids = encode_chat(tokenizer, messages, add_generation_prompt=False)
     target = [0] * len(ids)
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         start = len(encode_chat(tokenizer, messages[:k]))
-        end = len(encode_chat_full(tokenizer, messages[: k + 1]))
+        end = len(encode_chat(tokenizer, messages[: k + 1], add_generation_prompt=False))
         for t in range(start, min(end, len(ids))):
             target[t] = 1
     return _example(ids, target, max_length)
-
-
-def encode_chat_full(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
 
 
 def _example(ids: list[int], is_target: list[int], max_length: int) -> dict | None:
@@ -170,13 +158,8 @@ def cached_target_responses(
     responses = generate_responses(
         target, prompts, max_new_tokens, sampling, eos_ids, batch_size, seed, desc="target answers", progress=progress
     )
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        datasets.Dataset.from_dict({"prompt_ids": prompts, "response_ids": responses}).save_to_disk(str(tmp / "d"))
-        os.replace(tmp / "d", folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_path(folder) as tmp:
+        datasets.Dataset.from_dict({"prompt_ids": prompts, "response_ids": responses}).save_to_disk(str(tmp))
     return responses
 
 

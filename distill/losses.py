@@ -1,8 +1,8 @@
 """Distillation losses between a draft (student, q) and the target (teacher, p), per token.
 
-Every loss maps logits ``(B, T, V)`` to per-token values ``(B, T)``; ``masked_token_sum`` adds the
-valid ones, and the trainer divides by the *global* count of valid tokens (over gradient
-accumulation and processes), so that every token weighs the same whatever the batch split.
+Every loss maps logits ``(B, T, V)`` to per-token values ``(B, T)``; the trainer adds the valid
+ones and divides by the *global* count of valid tokens (over gradient accumulation and
+processes), so that every token weighs the same whatever the batch split.
 
 Why these: speculative decoding accepts a draft token with expected probability
 ``alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q)`` (Leviathan et al. 2023), so TVD is directly
@@ -129,8 +129,3 @@ def token_losses(
     else:
         raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
     return losses * mask
-
-
-def masked_token_sum(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of the valid per-token losses (B, T) -> scalar; divide by the global valid count."""
-    return (losses * mask).sum()

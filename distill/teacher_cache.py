@@ -2,8 +2,8 @@
 
 For every training example, at the positions that count in the loss, the cache keeps the target's
 ``k`` most likely token ids (int32) and their log-probabilities (float16): ``6 k`` bytes per token.
-It is written as ``safetensors`` shards of ``shard_size`` examples, each written to a temporary
-file and renamed, with ``meta.json`` written last: a folder without it is incomplete and rebuilt.
+It is written as ``safetensors`` shards of ``shard_size`` examples, each written atomically, with
+``meta.json`` written last: a folder without it is incomplete and rebuilt.
 Losses read it back through ``losses.densify_topk``.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from transformers import PreTrainedModel
 
 from draftsmith.distill.data import collate
 from draftsmith.distill.losses import densify_topk
+from draftsmith.specdec.files import atomic_path, write_text
 
 
 def cache_key(target_name: str, dtype: torch.dtype, examples: list[dict], top_k: int, temperature: float) -> str:
@@ -62,9 +62,9 @@ def build(
                 logps.append(top.values[row][mask].to(torch.float16).cpu())
                 counts.append(int(mask.sum()))
         tokens += sum(counts)
-        tmp = folder / f".shard-{shard:05d}.tmp"
-        save_file({"indices": torch.cat(ids), "logprobs": torch.cat(logps), "counts": torch.tensor(counts)}, tmp)
-        os.replace(tmp, folder / f"shard-{shard:05d}.safetensors")
+        tensors = {"indices": torch.cat(ids), "logprobs": torch.cat(logps), "counts": torch.tensor(counts)}
+        with atomic_path(folder / f"shard-{shard:05d}.safetensors") as tmp:
+            save_file(tensors, tmp)
     meta = {
         "examples": len(examples),
         "tokens": tokens,
@@ -72,8 +72,7 @@ def build(
         "shards": n_shards,
         "bytes_per_token": 6 * top_k,
     }
-    (folder / "meta.tmp").write_text(json.dumps(meta, indent=2))
-    os.replace(folder / "meta.tmp", folder / "meta.json")
+    write_text(folder / "meta.json", json.dumps(meta, indent=2))
     return folder
 
 

@@ -1,32 +1,38 @@
-"""``draftsmith distill``: distill the target into a draft (see configs/*.yaml)."""
+"""``draftsmith distill``: distill the target into a draft (see the configs shipped in draftsmith.configs)."""
 
 from __future__ import annotations
 
 import argparse
 
-from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
 
 EPILOG = """examples:
-  draftsmith distill --config configs/tiny.yaml
-  draftsmith distill --config configs/smollm2-135m.yaml max_steps=200 loss=forward_kl output_dir=runs/fkl
+  draftsmith distill --config tiny
+  draftsmith distill --config smollm2-135m max_steps=200 loss=forward_kl output_dir=runs/fkl
+  draftsmith distill --config my-run.yaml
   accelerate launch --config_file configs/accelerate/ddp.yaml -m draftsmith.cli distill --config ...
 
+--config takes a YAML file or the name of a shipped config (tiny, smollm2-135m, smollm2-135m-early-exit).
 Any config field can be overridden with key=value. Re-running the same command resumes from the
 last complete checkpoint in output_dir."""
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="draftsmith distill",
         description=__doc__,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", default=None, help="YAML config file (fields of DistillConfig)")
+    p.add_argument("--config", default=None, help="YAML config file, or a shipped config's name (e.g. tiny)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
-    args = p.parse_args(argv)
-    cfg = load_config(DistillConfig, args.config, args.overrides)
-    run_dir = train(cfg)
-    print(f"run folder: {run_dir}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    path = config_path(args.config) if args.config is not None else None
+    result = train(load_config(DistillConfig, path, args.overrides))
+    print(f"run folder: {result.run_dir}")
     return 0

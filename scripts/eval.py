@@ -10,10 +10,12 @@ import torch
 
 from draftsmith.distill.draft_init import draft_decoder, load_draft
 from draftsmith.distill.early_exit import EarlyExitDraft
+from draftsmith.options import GAMMA, device_options, draft_vocab_option, progress_option, prompt_options
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import CACHE_KINDS
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.evaluate import evaluate_pair, format_table
+from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import (
     DEFAULT_TARGET,
     check_compatible,
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[prompt_options(), device_options(), draft_vocab_option(), progress_option()],
     )
     p.add_argument(
         "--target",
@@ -57,16 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft model folder / .gguf / hub id, 'self' (the target drafts for itself), or "
         "'truncate:N' / 'truncate:0,1,28' (the target's first N or listed layers, untrained)",
     )
-    p.add_argument("--prompts", required=True, help="prompts JSONL file")
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default: 4)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default: 128)")
+    p.add_argument("--gamma", type=int, default=GAMMA, help=f"draft tokens per round (default: {GAMMA})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="top-k filtering when sampling (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering when sampling (1.0 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported (default: 3)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default: 1)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument(
         "--all-turns",
         action="store_true",
@@ -92,22 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time transformers generate and assisted generation on the same prompts",
     )
-    p.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=0,
-        help="the draft's head scores only the N tokens most frequent in its run's training answers "
-        "(draft_vocab.json in the checkpoint's run folder); exact, the target verifies over its full vocabulary",
-    )
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16 at batch 1, "
-        "else float32)",
-    )
     p.add_argument("--json", dest="json_out", default=None, help="write the full report to this JSON file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -191,9 +176,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json_out:
         out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        tmp.replace(out)
+        write_text(out, json.dumps(report, indent=2))
         print(f"report written to {out}")
     return 0

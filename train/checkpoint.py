@@ -1,20 +1,45 @@
 """Checkpoints: ``checkpoint-{step}/`` = a complete Hugging Face model folder of the draft plus
-``state/`` (optimizer, scheduler, RNG: accelerate's ``save_state``) and ``draftsmith.json``.
+``state/`` (optimizer, scheduler, RNG: accelerate's ``save_state``) and ``draftsmith.json``;
+``initial/`` = the draft before any step, without ``state/``.
 
 Each is written to a hidden temporary folder and renamed into place, and ``draftsmith.json`` is
-written last, so a folder without it is incomplete (an interrupted save) and is skipped on resume.
+written last, so a folder without it is incomplete (an interrupted save). ``is_complete`` is the one
+place that decides what a usable checkpoint holds; resume, eval-run and publish all ask it.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import re
 import shutil
 import sys
 from pathlib import Path
 
+from peft import PeftModel
+
+from draftsmith.distill.early_exit import META as EARLY_EXIT_META
+from draftsmith.distill.early_exit import WEIGHTS as EARLY_EXIT_WEIGHTS
+from draftsmith.distill.early_exit import EarlyExitDraft, is_early_exit
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.files import replace, write_text
+from draftsmith.train.config import DistillConfig
+
 MARKER = "draftsmith.json"
+INITIAL = "initial"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def missing_files(folder: Path) -> list[str]:
+    """What ``folder`` lacks to be a complete checkpoint: the draft's files, then the marker written last."""
+    model = (EARLY_EXIT_META, EARLY_EXIT_WEIGHTS) if is_early_exit(folder) else ("config.json", "model.safetensors")
+    return [name for name in (*model, MARKER) if not (folder / name).is_file()]
+
+
+def is_complete(folder: Path) -> bool:
+    """A checkpoint (or ``initial/``) whose save finished: the draft loads from it."""
+    return folder.is_dir() and not missing_files(folder)
 
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -24,39 +49,106 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
         match = _NAME.match(path.name)
         if not match or not path.is_dir():
             continue
-        if not (path / MARKER).is_file():
-            print(f"skipping incomplete checkpoint {path} (no {MARKER}; an interrupted save)", file=sys.stderr)
+        if not is_complete(path):
+            missing = ", ".join(missing_files(path))
+            print(f"skipping incomplete checkpoint {path} (missing {missing}; an interrupted save)", file=sys.stderr)
             continue
         found.append((int(match.group(1)), path))
     return sorted(found)
 
 
+def drafts_of_run(run_dir: Path) -> list[tuple[str, int, Path]]:
+    """(name, step, folder) of the initial draft and every complete checkpoint, by step."""
+    initial = run_dir / INITIAL
+    found = [(INITIAL, 0, initial)] if is_complete(initial) else []
+    return found + [(path.name, step, path) for step, path in checkpoint_dirs(run_dir)]
+
+
+def temporary_dir(run_dir: Path, step: int | str) -> Path:
+    """Where checkpoint ``step`` (or ``"initial"``) is written before it is complete; the same on every process."""
+    return run_dir / f".checkpoint-{step}.tmp"
+
+
 def begin(run_dir: Path, step: int | str) -> Path:
     """A fresh temporary folder for checkpoint ``step`` (or ``"initial"``, the draft before training)."""
-    tmp = run_dir / f".checkpoint-{step}.tmp"
+    tmp = temporary_dir(run_dir, step)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     return tmp
 
 
-def commit_initial(run_dir: Path, tmp: Path, info: dict) -> Path:
-    """Mark ``tmp`` complete and rename it to ``initial/``: the draft as it was before any step."""
-    (tmp / MARKER).write_text(json.dumps(info, indent=2))
-    final = run_dir / "initial"
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+def commit(run_dir: Path, tmp: Path, name: str, info: dict, keep_last: int | None = None) -> Path:
+    """Mark ``tmp`` complete and rename it to ``name``; with ``keep_last``, drop the oldest checkpoints beyond it."""
+    write_text(tmp / MARKER, json.dumps(info, indent=2))
+    final = run_dir / name
+    replace(tmp, final)  # only an incomplete one can be at ``final``: complete ones are never re-saved
+    if keep_last is not None:
+        for _, old in checkpoint_dirs(run_dir)[:-keep_last]:
+            shutil.rmtree(old)
     return final
 
 
-def commit(run_dir: Path, tmp: Path, step: int, info: dict, keep_last: int) -> Path:
-    """Mark ``tmp`` complete, rename it to ``checkpoint-{step}``, and drop the oldest beyond ``keep_last``."""
-    (tmp / MARKER).write_text(json.dumps(info, indent=2))
-    final = run_dir / f"checkpoint-{step}"
-    if final.exists():  # only an incomplete one can be here: complete ones are never re-saved
-        shutil.rmtree(final)
-    tmp.rename(final)
-    for _, old in checkpoint_dirs(run_dir)[:-keep_last]:
-        shutil.rmtree(old)
-    return final
+def write_draft(model, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
+    """The draft as a Hugging Face model folder (a LoRA draft: its adapter, plus a merged copy).
+
+    ``state``: the full state dict when the model is sharded (FSDP), else None. An early-exit draft
+    is not a standalone model: its folder holds the exit head and a reference to the target and k.
+    """
+    if isinstance(model, EarlyExitDraft):
+        model.save(folder, target_name)
+        tokenizer.save_pretrained(folder)
+        return
+    if isinstance(model, PeftModel):
+        model.save_pretrained(folder / "adapter")
+        model, state = copy.deepcopy(model).merge_and_unload(), None
+    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+
+# Settings that must match for a run folder to be resumed: they decide the model, the data and its order.
+RESUME_KEYS = (
+    "target",
+    "tiny_target",
+    "draft_init",
+    "draft_layers",
+    "draft_config",
+    "early_exit_adapter",
+    "freeze_embeddings",
+    "data",
+    "dataset",
+    "max_length",
+    "batch_size",
+    "grad_accum",
+    "seed",
+    "heldout",
+    "gen_samples",
+    "on_policy_fraction",
+    "on_policy_refresh_steps",
+    "on_policy_pool",
+    "teacher_cache",
+    "teacher_top_k",
+)
+
+
+def resume_point(run_dir: Path, cfg: DistillConfig) -> tuple[int, Path] | None:
+    """(step, folder) of the last complete checkpoint to resume from, after checking the config is compatible."""
+    found = checkpoint_dirs(run_dir) if run_dir.is_dir() else []
+    if not found:
+        return None
+    step, path = found[-1]
+    saved = json.loads((path / MARKER).read_text())["config"]
+    current = dataclasses.asdict(cfg)
+    diff = [k for k in RESUME_KEYS if saved.get(k) != current[k]]
+    if diff:
+        changes = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in diff)
+        raise DraftsmithError(
+            f"{run_dir} holds a run made with a different config ({changes}); "
+            "use another output_dir, or the same settings to resume"
+        )
+    if step >= cfg.max_steps:
+        raise DraftsmithError(
+            f"{run_dir} already reached step {step} (max_steps={cfg.max_steps}); raise max_steps "
+            "to train further or use another output_dir"
+        )
+    return step, path

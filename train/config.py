@@ -1,8 +1,14 @@
-"""The distillation run's config: one dataclass, from YAML plus ``key=value`` overrides, validated up front."""
+"""The distillation run's config: one dataclass, from YAML plus ``key=value`` overrides, validated up front.
+
+Every run saves its resolved config as ``config.yaml``; ``load_run_config`` reads it back through
+the same validation. ``--config`` takes a YAML path or the name of a config shipped in
+``draftsmith.configs`` (``tiny``, ``smollm2-135m``, ...), so the shipped recipes run from any folder.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import types
 import typing
 from dataclasses import dataclass, field
@@ -12,6 +18,9 @@ import yaml
 
 from draftsmith.distill.losses import LOSSES
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.files import write_text
+
+RUN_CONFIG = "config.yaml"  # the resolved config inside every run folder
 
 
 @dataclass
@@ -138,6 +147,8 @@ def _coerce(name: str, kind, value):
     """Turn a YAML value or a command-line string into the field's type, or say which field is wrong."""
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
+        if value is None:  # an optional field left empty (as a saved config writes it)
+            return None
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
     try:
         if kind is bool:
@@ -188,6 +199,30 @@ def load_config(cls, path: str | None, overrides: list[str]):
 
 
 def save_config(config, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
-    tmp.replace(path)
+    write_text(path, yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+
+
+def load_run_config(run_dir: Path) -> DistillConfig:
+    """The validated config a run was made with (its ``config.yaml``)."""
+    path = Path(run_dir) / RUN_CONFIG
+    if not path.is_file():
+        raise DraftsmithError(f"{run_dir} is not a distillation run folder (no {RUN_CONFIG})")
+    return load_config(DistillConfig, str(path), [])
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs installed with draftsmith (``draftsmith.configs``)."""
+    folder = importlib.resources.files("draftsmith.configs")
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def config_path(name: str) -> str:
+    """A config file path as given, or the shipped config ``name`` (``tiny`` or ``tiny.yaml``)."""
+    if Path(name).is_file():
+        return name
+    shipped = importlib.resources.files("draftsmith.configs") / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if "/" not in name and shipped.is_file():
+        return str(shipped)
+    raise DraftsmithError(
+        f"config not found: {name} (give a YAML file, or the name of a shipped config: {', '.join(shipped_configs())})"
+    )

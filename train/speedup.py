@@ -19,11 +19,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.decoder import speculative_generate
 from draftsmith.specdec.evaluate import alpha_from_tau, evaluate_pair, predicted_speedup
+from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.prompts import Prompt
 from draftsmith.specdec.sampling import SamplingParams
-from draftsmith.train import checkpoint
 
 REPORT = "speedup_report.json"
+BEST = "best.json"  # the best draft of a run: {"checkpoint": name, ...}
 
 
 def measure_draft(
@@ -89,12 +90,6 @@ def measure_draft(
     }
 
 
-def drafts_of_run(run_dir: Path) -> list[tuple[str, int, Path]]:
-    """(name, step, folder) of the initial draft and every complete checkpoint, by step."""
-    found = [("initial", 0, run_dir / "initial")] if (run_dir / "initial" / checkpoint.MARKER).is_file() else []
-    return found + [(path.name, step, path) for step, path in checkpoint.checkpoint_dirs(run_dir)]
-
-
 def hardware() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -113,11 +108,11 @@ def write_report(run_dir: Path, report: dict) -> str | None:
     candidates = {name: r[first_temp] for name, r in results.items() if first_temp in r}
     best = max(candidates, key=lambda n: candidates[n]["speedup"]) if candidates else None
     report["best"] = best
-    _atomic_write(run_dir / REPORT, json.dumps(report, indent=2))
+    write_text(run_dir / REPORT, json.dumps(report, indent=2))
     if best is not None:
         info = {"checkpoint": best, "temperature": float(first_temp), **candidates[best]}
-        _atomic_write(run_dir / "best.json", json.dumps(info, indent=2))
-    _atomic_write(run_dir / "speedup_report.md", _markdown(report))
+        write_text(run_dir / BEST, json.dumps(info, indent=2))
+    write_text(run_dir / "speedup_report.md", _markdown(report))
     _plot(run_dir, report)
     return best
 
@@ -166,13 +161,6 @@ def _plot(run_dir: Path, report: dict) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = run_dir / ".speedup.png.tmp"
-    fig.savefig(tmp, format="png", dpi=100)
+    with atomic_path(run_dir / "speedup.png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, run_dir / "speedup.png")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -24,7 +24,7 @@ def run_dir(tmp_path_factory):
     cfg = load_config(
         DistillConfig, TINY, [f"output_dir={out}", "max_steps=4", "save_steps=2", "log_steps=2", "keep_last=2"]
     )
-    return train(cfg)
+    return train(cfg).run_dir
 
 
 def test_eval_run_measures_every_checkpoint_once(run_dir, capsys):
@@ -107,7 +107,7 @@ def test_quickstart_end_to_end_on_the_tiny_config(tmp_path, capsys):
             str(tmp_path / "qs"),
             "--config",
             TINY,
-            "--eval-limit",
+            "--limit",
             "2",
             "--max-new-tokens",
             "12",
@@ -141,7 +141,7 @@ def test_early_exit_draft_trains_evaluates_with_kv_reuse_and_is_not_published(tm
             "log_steps=2",
         ],
     )
-    run = train(cfg)
+    run = train(cfg).run_dir
     ckpt = run / "checkpoint-4"
     assert sorted(p.name for p in ckpt.iterdir() if p.suffix in (".json", ".safetensors")) == [
         "draftsmith.json",
@@ -151,8 +151,9 @@ def test_early_exit_draft_trains_evaluates_with_kv_reuse_and_is_not_published(tm
         "tokenizer_config.json",
     ]
     assert json.loads((ckpt / "early_exit.json").read_text()) == {"target": "tiny", "k": 2, "adapter": True}
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert metrics[-1]["acceptance_rate"] != metrics[0]["acceptance_rate"]
+    alpha = [json.loads(line)["acceptance_rate"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # The target's own first 2 layers plus an exit head start close to it and train closer (0.748 -> 0.811).
+    assert 0.7 < alpha[0] < 0.78 and alpha[-1] > alpha[0] + 0.04
 
     assert main(["eval-run", str(run), *EVAL]) == 0
     report = json.loads((run / "speedup_report.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
 
 ROOT = Path(__file__).parents[2]
@@ -51,10 +51,10 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     one = train(
         load_config(
             DistillConfig,
-            str(ROOT / "configs" / "tiny.yaml"),
+            config_path("tiny"),
             [f"output_dir={tmp_path / 'one'}", "batch_size=4", *COMMON[:-1], "grad_accum=2"],
         )
-    )
+    ).run_dir
     assert read_losses(two / "run") == pytest.approx(read_losses(one), rel=1e-4)
     single = load_file(one / "checkpoint-4" / "model.safetensors")
     for name in rank0:

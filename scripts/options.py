@@ -1,0 +1,83 @@
+"""Options shared by the commands, each defined once with one default (argparse ``parents=``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+
+from draftsmith.specdec.errors import DraftsmithError
+
+# The held-out prompts shipped with draftsmith (never used for training).
+EVAL_PROMPTS = str(importlib.resources.files("draftsmith.distill") / "data" / "eval_prompts.jsonl")
+GAMMA = 4  # draft tokens per round when one gamma is measured
+GAMMAS = "1,2,3,4,6,8"  # the gammas eval-run and quickstart choose the best from
+MAX_NEW_TOKENS = 64
+
+
+def prompt_options(limit: int | None = None) -> argparse.ArgumentParser:
+    """--prompts, --limit, --max-new-tokens: what is decoded when measuring (a recipe may pass its own limit)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--prompts",
+        default=EVAL_PROMPTS,
+        help="prompts JSONL, held out from training (default: the shipped eval_prompts.jsonl)",
+    )
+    p.add_argument("--limit", type=int, default=limit, help=f"use only the first N prompts (default: {limit or 'all'})")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=MAX_NEW_TOKENS,
+        help=f"tokens to generate per prompt (default: {MAX_NEW_TOKENS})",
+    )
+    return p
+
+
+def device_options() -> argparse.ArgumentParser:
+    """--device, --dtype: where and in what precision the models run."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)",
+    )
+    return p
+
+
+def gammas_option() -> argparse.ArgumentParser:
+    """--gammas: the draft lengths to choose the best from."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--gammas", default=GAMMAS, help=f"gammas to choose the best from (default: {GAMMAS})")
+    return p
+
+
+def draft_vocab_option(default: int = 0) -> argparse.ArgumentParser:
+    """--draft-vocab: frequency-ranked drafting with the N most frequent tokens of the run's training answers
+    (off unless a recipe passes its own default)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=default,
+        help="the draft's head scores only the N tokens most frequent in its run's training answers "
+        "(draft_vocab.json in the run folder); exact, the target verifies over its full vocabulary. "
+        f"0 = full head (default: {default})",
+    )
+    return p
+
+
+def progress_option() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_list(text: str, kind, name: str) -> list:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; a bad or empty list names its option."""
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise DraftsmithError(f"--{name} must be a comma-separated list, got {text!r}") from err
+    if not values:
+        raise DraftsmithError(f"--{name} is empty")
+    return values

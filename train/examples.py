@@ -1,0 +1,130 @@
+"""What a run trains and is measured on: its examples, their loaders, and where the teacher's logits come from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from draftsmith.distill import data as ddata
+from draftsmith.distill import teacher_cache
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import draftsmith_home, eos_token_ids
+from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.train.config import DistillConfig
+
+TeacherLogits = Callable[[dict], torch.Tensor]  # batch -> (B, T, V) teacher logits or log-probs
+
+
+def build_examples(
+    cfg: DistillConfig, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, accelerator: Accelerator
+) -> tuple[list[dict], list[dict]]:
+    """(train examples, held-out examples). The first ``heldout`` rows (after a seeded shuffle) are held out.
+
+    In ``target`` mode the held-out prompts get the target's greedy answers (what greedy decoding
+    will face), the training prompts ``gen_samples`` answers each with the generation settings.
+    """
+    rows = ddata.load_rows(cfg.dataset, cfg.dataset_split)
+    if len(rows) <= cfg.heldout:
+        raise DraftsmithError(f"dataset {cfg.dataset} has {len(rows)} rows; need more than heldout={cfg.heldout}")
+    rows = rows.shuffle(seed=cfg.seed)
+    held_rows, train_rows = rows.select(range(cfg.heldout)), rows.select(range(cfg.heldout, len(rows)))
+    if cfg.data == "text":
+        held = ddata.text_examples(held_rows, tokenizer, cfg.max_length)
+        train_examples = ddata.text_examples(train_rows, tokenizer, cfg.max_length)
+    else:
+        held_prompts = encode_prompts(cfg, target, tokenizer, held_rows)
+        train_prompts = [p for p in encode_prompts(cfg, target, tokenizer, train_rows) for _ in range(cfg.gen_samples)]
+        with accelerator.main_process_first():  # the main process generates, the others read the saved sets
+            held_answers = target_answers(cfg, target, tokenizer, held_prompts, SamplingParams(), accelerator)
+            train_answers = target_answers(cfg, target, tokenizer, train_prompts, generation(cfg), accelerator)
+        held = ddata.target_examples(held_prompts, held_answers, cfg.max_length)
+        train_examples = ddata.target_examples(train_prompts, train_answers, cfg.max_length)
+    if not held or not train_examples:
+        raise DraftsmithError(
+            f"no usable {'held-out' if not held else 'training'} examples in {cfg.dataset} (rows with tokens to learn)"
+        )
+    return train_examples, held
+
+
+def generation(cfg: DistillConfig) -> SamplingParams:
+    """How the target answers training prompts, and the draft its on-policy ones."""
+    return SamplingParams(cfg.gen_temperature, 0, cfg.gen_top_p)
+
+
+def encode_prompts(cfg: DistillConfig, target: PreTrainedModel, tokenizer, rows) -> list[list[int]]:
+    """Chat-encoded prompts of ``rows``; prompts that leave no room for the answer are refused."""
+    context = min(cfg.max_length, target.config.max_position_embeddings)
+    prompts = ddata.encode_prompt_rows(rows, tokenizer, cfg.dataset)
+    too_long = [len(p) for p in prompts if len(p) + cfg.gen_max_new_tokens > context]
+    if too_long:
+        raise DraftsmithError(
+            f"{len(too_long)} prompts are too long: the longest has {max(too_long)} tokens, which with "
+            f"gen_max_new_tokens={cfg.gen_max_new_tokens} exceeds max_length / context ({context}); raise "
+            "max_length or lower gen_max_new_tokens"
+        )
+    return prompts
+
+
+def target_answers(
+    cfg: DistillConfig, target, tokenizer, prompts: list[list[int]], sampling: SamplingParams, accelerator: Accelerator
+) -> list[list[int]]:
+    """The target's answers to ``prompts``, generated once and cached under DRAFTSMITH_HOME."""
+    name = cfg.target if cfg.target != "tiny" else f"tiny-{cfg.seed}-{sorted(cfg.tiny_target.items())}"
+    return ddata.cached_target_responses(
+        draftsmith_home() / "data",
+        name,
+        target,
+        prompts,
+        max_new_tokens=cfg.gen_max_new_tokens,
+        sampling=sampling,
+        eos_ids=eos_token_ids(target, tokenizer),
+        batch_size=cfg.gen_batch_size,
+        seed=cfg.seed,
+        progress=accelerator.is_main_process,
+    )
+
+
+def loaders(cfg: DistillConfig, train_examples: list[dict], heldout: list[dict], pad: int) -> tuple[DataLoader, ...]:
+    """(training loader, shuffled with the run's seed; held-out loader)."""
+    train_loader = DataLoader(
+        train_examples,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        drop_last=False,
+        collate_fn=lambda b: ddata.collate(b, pad),
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    held_loader = DataLoader(heldout, batch_size=cfg.batch_size, collate_fn=lambda b: ddata.collate(b, pad))
+    return train_loader, held_loader
+
+
+def teacher(cfg: DistillConfig, target, examples: list[dict], pad: int, accelerator: Accelerator) -> TeacherLogits:
+    """The function that gives a batch's teacher logits: the target's forward, or the top-k cache."""
+    if not cfg.teacher_cache:
+        # .to(): a target spread with teacher_device_map returns logits on its last device
+        return lambda batch: target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.to(
+            accelerator.device
+        )
+    for i, example in enumerate(examples):
+        example["index"] = i
+    key = teacher_cache.cache_key(cfg.target, target.dtype, examples, cfg.teacher_top_k, 1.0)
+    folder = draftsmith_home() / "teacher-cache" / key
+    with accelerator.main_process_first():
+        teacher_cache.build(
+            target,
+            examples,
+            folder,
+            cfg.teacher_top_k,
+            cfg.batch_size,
+            pad_id=pad,
+            progress=accelerator.is_main_process,
+        )
+    entries = teacher_cache.load(folder)
+    vocab = target.config.vocab_size
+    return lambda batch: teacher_cache.dense_teacher_logprobs(
+        [entries[i] for i in batch["index"].tolist()], batch["loss_mask"], vocab
+    )

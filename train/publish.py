@@ -1,0 +1,186 @@
+"""A checkpoint written as a draft model folder that serving stacks load as is, with a model card.
+
+The folder is written beside its destination and renamed into place only after it reproduces the
+checkpoint's greedy output, so a published folder is always a complete, working draft.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from draftsmith.distill.early_exit import is_early_exit
+from draftsmith.specdec.decoder import target_generate
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.files import atomic_path
+from draftsmith.specdec.loading import check_compatible, load_model, load_tokenizer
+from draftsmith.specdec.prompts import encode_chat
+from draftsmith.train import checkpoint
+from draftsmith.train.config import DistillConfig, load_run_config
+from draftsmith.train.models import load_target
+from draftsmith.train.speedup import BEST, REPORT
+
+# Hub ids of the built-in aliases, for the model card's base_model.
+HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+CHECK_PROMPTS = ["Write a haiku about the sea.", "What is 7 times 8?", "Name three colors."]
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A complete, standalone checkpoint folder; a run folder stands for its best checkpoint (eval-run's best.json)."""
+    if (path / BEST).is_file():
+        path = path / json.loads((path / BEST).read_text())["checkpoint"]
+    if not path.is_dir():
+        raise DraftsmithError(f"checkpoint not found: {path}")
+    if is_early_exit(path):
+        raise DraftsmithError(
+            f"{path} is an early-exit draft: it shares the target's layers and is not a standalone model, so "
+            "transformers and vLLM cannot load it as an assistant; evaluate it with draftsmith eval / eval-run"
+        )
+    missing = checkpoint.missing_files(path)
+    if missing:
+        raise DraftsmithError(f"{path} is missing {', '.join(missing)}: not a complete draftsmith checkpoint")
+    return path
+
+
+def publish(ckpt: Path, out: Path, overwrite: bool = False) -> Path:
+    """Write checkpoint ``ckpt`` (or a run's best) to ``out`` with a model card; return ``out``."""
+    ckpt = resolve_checkpoint(ckpt)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DraftsmithError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    run_dir = ckpt.parent
+    cfg = load_run_config(run_dir)
+    device = torch.device("cpu")
+    target, target_tokenizer = load_target(cfg, device)
+    draft = load_model(str(ckpt), device, torch.float32)
+    tokenizer = load_tokenizer(str(ckpt))
+    check_compatible(target_tokenizer, tokenizer, target.config.vocab_size, draft.config.vocab_size)
+
+    with atomic_path(out) as tmp:
+        draft.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(cfg, ckpt, run_dir))
+        # The written folder must behave exactly like the checkpoint: same greedy tokens.
+        prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in CHECK_PROMPTS]
+        reloaded = load_model(str(tmp), device, torch.float32)
+        expected, _ = target_generate(draft, prompts, 16)
+        got, _ = target_generate(reloaded, prompts, 16)
+        if got != expected:
+            raise DraftsmithError(f"the written folder does not reproduce {ckpt}'s greedy output; nothing published")
+    return out
+
+
+def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:
+    """The model card (README.md): hub metadata, how the draft was made, its measured speedup, usage."""
+    base_model = HUB_IDS.get(cfg.target, cfg.target)
+    meta = {
+        "base_model": base_model,
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["speculative-decoding", "draft-model", "draftsmith", "distillation"],
+    }
+    report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else None
+    results = (report or {}).get("results", {}).get(ckpt.name, {})
+    steps = json.loads((ckpt / checkpoint.MARKER).read_text())["step"]
+    lines = [
+        "---",
+        yaml.safe_dump(meta, sort_keys=False).strip(),
+        "---",
+        "",
+        f"# Draft model for {base_model}",
+        "",
+        f"A draft for speculative decoding with `{base_model}` as the target, distilled with draftsmith "
+        f"(loss `{cfg.loss}`, data `{cfg.data}`, draft `{cfg.draft_init}`{_layers(cfg)}, {steps} steps). "
+        "Speculative decoding keeps the target's output unchanged; the draft only makes it faster.",
+        "",
+        "## Measured speedup",
+        "",
+    ]
+    if results:
+        lines += _measured(report, results)
+    else:
+        lines.append("Not measured yet: run `draftsmith eval-run` on the training run before publishing.")
+    gamma = next(iter(results.values()))["best_gamma"] if results else 4
+    return "\n".join(lines + _usage(base_model, gamma))
+
+
+def _layers(cfg: DistillConfig) -> str:
+    """Which of the target's layers a truncated draft kept, as the card says it."""
+    if cfg.draft_init != "truncate":
+        return ""
+    if str(cfg.draft_layers).strip().isdigit():
+        return f" of the target's first {cfg.draft_layers} layers"
+    return f" of the target's layers {cfg.draft_layers}"
+
+
+def _measured(report: dict, results: dict) -> list[str]:
+    """The card's table of what eval-run measured for this checkpoint, one row per temperature."""
+    dtype = f" in {report['dtype']}" if report.get("dtype") else ""
+    cut_head = (
+        f", with the draft's head cut to the {report['draft_vocab']} tokens most frequent in the training "
+        "answers (frequency-ranked drafting; the published model keeps its full head)"
+        if report.get("draft_vocab")
+        else ""
+    )
+    lines = [
+        f"Measured by `draftsmith eval-run` with its bundled speculative decoder on {report['hardware']}{dtype}, "
+        f"prompts `{report['prompts']}`, {report['max_new_tokens']} new tokens, against a KV-cached "
+        f"target-only decoder{cut_head}:",
+        "",
+        "| temperature | gamma | acceptance rate | mean accepted tokens | speedup |",
+        "|---|---|---|---|---|",
+    ]
+    for temp, r in results.items():
+        lines.append(
+            f"| {temp} | {r['best_gamma']} | {r['acceptance_rate']:.3f} | "
+            f"{r['mean_accepted_tokens']:.2f} | {r['speedup']:.2f}x |"
+        )
+    return lines
+
+
+def _usage(base_model: str, gamma: int) -> list[str]:
+    """How transformers and vLLM use the draft, at the gamma measured best."""
+    return [
+        "",
+        "## Usage",
+        "",
+        "transformers (assisted generation):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'target = AutoModelForCausalLM.from_pretrained("{base_model}")',
+        'draft = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO_OF_THIS_DRAFT")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{base_model}")',
+        'inputs = tokenizer("Why is the sky blue?", return_tensors="pt")',
+        f"out = target.generate(**inputs, assistant_model=draft, num_assistant_tokens={gamma}, max_new_tokens=128)",
+        "```",
+        "",
+        "vLLM (draft-model speculative decoding):",
+        "",
+        "```python",
+        "from vllm import LLM",
+        f'llm = LLM(model="{base_model}", speculative_config={{"model": "PATH_OR_REPO_OF_THIS_DRAFT", '
+        f'"num_speculative_tokens": {gamma}}})',
+        "```",
+        "",
+    ]
+
+
+def push(folder: Path, repo_id: str, private: bool) -> None:
+    """Upload ``folder`` to the hub repo ``repo_id`` (created when missing)."""
+    from huggingface_hub import HfApi, get_token
+
+    if get_token() is None:
+        raise DraftsmithError(
+            f"no Hugging Face credentials; the local folder {folder} is written. Log in with "
+            "`hf auth login` (or set HF_TOKEN) and run publish again with --push-to-hub"
+        )
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id)
+    except Exception as err:  # network and permission errors come in many types
+        raise DraftsmithError(f"upload to {repo_id} failed: {err}; the local folder {folder} is written") from err
+    print(f"uploaded to https://huggingface.co/{repo_id}")
