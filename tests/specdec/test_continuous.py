@@ -16,6 +16,15 @@ from tests.helpers import chi_square_z, tiny_llama
 V = 32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are latency-bound: on a shared machine, OpenMP's thread barriers cost more than they save."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(vocab=V, sharpness=8.0)

@@ -1,0 +1,210 @@
+"""Prompts for dataset building, from any ``datasets`` source or the built-in set.
+
+A source is one of:
+
+- ``builtin``: the packaged training prompts (``distill/data/prompts.jsonl``). The evaluation prompts
+  next to it are held out and refused as a source;
+- a local ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet`` file, or a folder written by
+  ``save_to_disk``;
+- a hub dataset id, with an optional config name and a split.
+
+A row is read in the usual formats, in this order of preference:
+
+- ``messages`` or ``conversations``: a chat, ``{role, content}`` or ShareGPT ``{from, value}`` turns;
+  trailing assistant turns are dropped (the target writes that reply);
+- ``prompt`` / ``question``: a user message;
+- ``instruction`` with an optional ``input`` (Alpaca): the two joined by a blank line;
+- ``text``: plain text, used as a user message.
+
+``column_map`` names the column that holds a field when it has another name, e.g.
+``{"prompt": "query"}``; then only the mapped columns are read (and ``category``). A row with none
+of the fields is an error naming its row number, unless bad rows are skipped (then their count is
+printed).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+
+from draftsmith.distill.data import BUILTIN_PROMPTS, EVAL_PROMPTS
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.prompts import read_prompts
+
+PROMPT_FIELDS = ("messages", "conversations", "prompt", "question", "instruction", "text")  # one is needed
+FIELDS = (*PROMPT_FIELDS, "input", "category")
+FILE_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass
+class PromptRecord:
+    """One prompt to answer: the conversation awaiting the assistant's reply."""
+
+    id: str  # stable within its source: the row number, or a hash of the text for self-written prompts
+    messages: list[dict] = field(default_factory=list)  # [{"role", "content"}, ...], last one from the user
+    source: str = ""
+    topic: str = ""  # the row's category, or the topic a self-written prompt was steered to
+
+    @property
+    def text(self) -> str:
+        """The last user message (what a plain-text tokenizer without a chat template encodes)."""
+        return self.messages[-1]["content"]
+
+
+def parse_column_map(text: str | None) -> dict[str, str]:
+    """``"prompt=question,input=context"`` -> ``{"prompt": "question", "input": "context"}``."""
+    if not text:
+        return {}
+    mapping = {}
+    for item in text.split(","):
+        key, sep, column = item.partition("=")
+        key, column = key.strip(), column.strip()
+        if not sep or not key or not column:
+            raise DraftsmithError(f"--column-map takes FIELD=COLUMN pairs separated by commas, got {item!r}")
+        if key not in FIELDS:
+            raise DraftsmithError(f"--column-map: unknown field {key!r}; the fields are {', '.join(FIELDS)}")
+        mapping[key] = column
+    return mapping
+
+
+def chat_turns(turns: object, where: str) -> list[dict]:
+    """``{role, content}`` or ShareGPT ``{from, value}`` turns -> ``{role, content}``, trailing replies dropped."""
+    if not isinstance(turns, list) or not turns:
+        raise DraftsmithError(f"{where}: the conversation must be a non-empty list of turns")
+    messages = []
+    for turn in turns:
+        if isinstance(turn, dict) and isinstance(turn.get("content"), str) and turn.get("role"):
+            messages.append({"role": str(turn["role"]), "content": turn["content"]})
+        elif isinstance(turn, dict) and turn.get("from") in SHAREGPT_ROLES and isinstance(turn.get("value"), str):
+            messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+        else:
+            raise DraftsmithError(
+                f"{where}: each turn needs 'role' and 'content' (or 'from' and 'value'), got {turn!r}"
+            )
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+        raise DraftsmithError(f"{where}: the conversation has no user message to answer")
+    return messages
+
+
+def row_messages(row: dict, where: str) -> list[dict] | None:
+    """The conversation of a row in one of the usual formats; None when it has none of the fields."""
+    row = {k: v for k, v in row.items() if v is not None}  # dataset rows carry every column
+    for key in ("messages", "conversations"):
+        if key in row:
+            return chat_turns(row[key], f"{where}, {key!r}")
+    for key in ("prompt", "question", "instruction", "text"):
+        if key in row:
+            value = row[key]
+            if not isinstance(value, str) or not value.strip():
+                raise DraftsmithError(f"{where}: {key!r} must be a non-empty string, got {value!r}")
+            extra = row.get("input") if key == "instruction" else None
+            if isinstance(extra, str) and extra.strip():
+                value = f"{value}\n\n{extra}"
+            return [{"role": "user", "content": value}]
+    return None
+
+
+def rows_to_prompts(rows: datasets.Dataset, source: str, column_map: dict[str, str], skip_bad_rows: bool):
+    """PromptRecords of a dataset's rows, ids = row numbers (counted from 0)."""
+    missing = [column for column in column_map.values() if column not in rows.column_names]
+    if missing:
+        raise DraftsmithError(
+            f"{source}: --column-map names column(s) {', '.join(missing)} that the data does not have; "
+            f"its columns are {', '.join(rows.column_names)}"
+        )
+    renamed = {column: key for key, column in column_map.items()}
+    prompts, skipped = [], 0
+    for index, raw in enumerate(rows):
+        row = {renamed[k]: v for k, v in raw.items() if k in renamed} if renamed else dict(raw)
+        row.setdefault("category", raw.get("category"))
+        where = f"{source}, row {index} (counting from 0)"
+        try:
+            messages = row_messages(row, where)
+            if messages is None:
+                raise DraftsmithError(
+                    f"{where}: none of the fields {', '.join(PROMPT_FIELDS)} (columns: {', '.join(raw)}); "
+                    "name the prompt column with --column-map prompt=COLUMN, or pass --skip-bad-rows"
+                )
+        except DraftsmithError:
+            if not skip_bad_rows:
+                raise
+            skipped += 1
+            continue
+        prompts.append(PromptRecord(str(index), messages, source, str(row.get("category") or "")))
+    if skipped:
+        print(f"{source}: skipped {skipped} bad row(s) of {len(rows)}", file=sys.stderr)
+    return prompts
+
+
+def builtin_prompts() -> list[PromptRecord]:
+    """The packaged training prompts (never the held-out evaluation prompts)."""
+    return [PromptRecord(p.id, p.turns[0], "builtin", p.category) for p in read_prompts(BUILTIN_PROMPTS)]
+
+
+def load_rows(spec: str, config: str | None = None, split: str = "train") -> datasets.Dataset:
+    """The rows of a local file, a ``save_to_disk`` folder, or a hub dataset (``config``, ``split``)."""
+    path = Path(spec).expanduser()
+    if path.exists() and path.resolve() == EVAL_PROMPTS.resolve():
+        raise DraftsmithError(f"{spec} holds the held-out evaluation prompts; training data must not use them")
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except FileNotFoundError as err:
+            raise DraftsmithError(f"{spec} is a folder but not one written by datasets' save_to_disk") from err
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DraftsmithError(f"{spec} has no split {split!r}; it has {', '.join(loaded)} (use --split)")
+            loaded = loaded[split]
+        return loaded
+    if path.is_file():
+        kind = FILE_KINDS.get(path.suffix.lower())
+        if kind is None:
+            raise DraftsmithError(f"{spec}: unsupported file type {path.suffix!r}; use .jsonl, .json, .csv or .parquet")
+        try:
+            return datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as err:  # datasets raises many types for a malformed file
+            raise DraftsmithError(f"{spec} could not be read as {kind}: {err}") from err
+    if path.suffix.lower() in FILE_KINDS or spec.startswith((".", "/", "~")):
+        raise DraftsmithError(f"prompt file not found: {spec}")
+    try:
+        return datasets.load_dataset(spec, config, split=split)
+    except Exception as err:  # offline, unknown id, unknown config or split
+        raise DraftsmithError(f"could not load the dataset {spec!r} (config {config}, split {split!r}): {err}") from err
+
+
+def load_prompts(
+    spec: str,
+    config: str | None = None,
+    split: str = "train",
+    column_map: dict[str, str] | None = None,
+    max_samples: int | None = None,
+    skip_bad_rows: bool = False,
+) -> list[PromptRecord]:
+    """Prompts from ``builtin`` or a dataset source, the first ``max_samples`` rows at most."""
+    if max_samples is not None and max_samples < 1:
+        raise DraftsmithError(f"--max-samples must be >= 1, got {max_samples}")
+    if spec == "builtin":
+        return builtin_prompts()[:max_samples]
+    rows = load_rows(spec, config, split)
+    if max_samples is not None:
+        rows = rows.select(range(min(max_samples, len(rows))))
+    prompts = rows_to_prompts(rows, spec, column_map or {}, skip_bad_rows)
+    if not prompts:
+        raise DraftsmithError(f"{spec} holds no usable prompts")
+    return prompts
+
+
+def source_settings(spec: str, config: str | None, split: str, column_map: dict[str, str]) -> dict:
+    """What identifies a dataset source in a manifest (a local path is made absolute)."""
+    if spec == "builtin":
+        return {"kind": "builtin"}
+    path = Path(spec).expanduser()
+    if path.exists():
+        return {"kind": "local", "path": str(path.resolve()), "split": split, "column_map": column_map}
+    return {"kind": "hub", "name": spec, "config": config, "split": split, "column_map": column_map}
