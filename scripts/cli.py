@@ -8,6 +8,7 @@ import sys
 from draftsmith.specdec.errors import DraftsmithError
 
 COMMANDS = {
+    "data": ("draftsmith.data", "build a training set of the target's answers (self-written or given prompts)"),
     "distill": ("draftsmith.distill_cmd", "distill the target into a draft with acceptance-oriented losses"),
     "eval-run": ("draftsmith.eval_run", "measure every checkpoint of a run, choose gamma, mark the best one"),
     "publish": ("draftsmith.publish", "write a checkpoint as a standard draft model folder, optionally push it"),

@@ -1,0 +1,494 @@
+"""A training set written by the target: prompts in, the target's answers out, kept as a dataset on disk.
+
+Layout of a dataset folder::
+
+    manifest.json        the settings the rows were made with, counts, tokens, seconds taken by builds
+                         that ran to the end (a killed one adds its rows but not its time)
+    prompts/             prompts the target wrote itself (when the source is ``self``), JSONL per round
+    shards/shard-rR-NNNNN/  answer rows, one ``datasets`` folder per shard (R: the process that wrote it)
+
+Every file and shard is written under a temporary name and renamed when complete, so a build killed
+at any point keeps every finished shard and nothing half-written. Building again into the same folder
+continues: rows already present (by prompt id and sample number) are not made again, and asking for
+more prompts or samples adds rows. The settings that decide what a row holds (target, dtype,
+sampling, seed, max_new_tokens, prompt source) are fixed by the first build; a build with another
+value is refused, naming the field, so a dataset never mixes rows made two ways.
+
+With several processes (``accelerate launch``) each process answers a disjoint share of the prompts
+(every N-th) and writes its own shards; the main process writes the manifest.
+
+Rows: ``prompt_id``, ``sample``, ``source``, ``topic``, ``messages`` (the conversation awaiting the
+answer), ``prompt_ids``, ``answer_ids``, ``answer_text``, ``finished`` (ended with an EOS id rather
+than at ``max_new_tokens``). ``training_examples`` turns them into ``{"input_ids", "loss_mask"}``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import datasets
+import pyarrow.compute as pc
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from draftsmith.distill.data import target_examples
+from draftsmith.distill.prompt_filters import Deduplicator, PromptFilter
+from draftsmith.distill.prompt_sources import PromptRecord
+from draftsmith.distill.self_prompts import (
+    RoundResult,
+    SelfPromptSettings,
+    derived_seed,
+    topic_shares,
+    write_prompt_round,
+)
+from draftsmith.specdec.continuous import Progress, stream_generate
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.files import atomic_path, write_text
+from draftsmith.specdec.prompts import encode_chat
+from draftsmith.specdec.sampling import SamplingParams
+
+MANIFEST = "manifest.json"
+SHARDS = "shards"
+PROMPTS = "prompts"
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """What every row of a dataset was made with; fixed when the dataset is created."""
+
+    target: str  # the target as given (alias, folder, hub id)
+    dtype: str  # the dtype the target ran in, e.g. "float32"
+    sampling: dict  # {"temperature", "top_k", "top_p"}
+    seed: int
+    max_new_tokens: int
+    prompt_source: dict  # what identifies the prompts: kind, path or hub id, self-prompt settings
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ProcessGroup:
+    """This process's place among the processes building one dataset (one process by default)."""
+
+    index: int = 0
+    count: int = 1
+    barrier: Callable[[], None] = field(default=lambda: None)  # all processes wait here
+
+    @property
+    def is_main(self) -> bool:
+        return self.index == 0
+
+
+def sampling_settings(sampling: SamplingParams) -> dict:
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+
+
+def changed_field(old: dict, new: dict, prefix: str = "") -> str | None:
+    """The first field (dotted path) whose value differs between two settings dicts, or None."""
+    for key in dict.fromkeys([*old, *new]):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = changed_field(a, b, f"{prefix}{key}.")
+            if inner is not None:
+                return inner
+        elif a != b:
+            return f"{prefix}{key}"
+    return None
+
+
+def lookup(settings: dict, dotted: str):
+    for part in dotted.split("."):
+        settings = settings.get(part) if isinstance(settings, dict) else None
+    return settings
+
+
+def read_manifest(folder: Path) -> dict | None:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DraftsmithError(f"{path} is not valid JSON ({err.msg}); it was not written by draftsmith data") from err
+
+
+def check_settings(folder: Path, settings: BuildSettings) -> dict | None:
+    """The manifest of an existing dataset made with ``settings`` (None for a new one); refuse any other.
+
+    A folder that exists, is not empty and has no manifest is refused too: it is not a dataset.
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        if folder.is_dir() and any(folder.iterdir()):
+            raise DraftsmithError(f"{folder} exists and is not a draftsmith dataset (no {MANIFEST}); choose another")
+        return None
+    old, new = manifest["settings"], settings.to_dict()
+    name = changed_field(old, new)
+    if name is not None:
+        raise DraftsmithError(
+            f"{folder} was built with {name}={json.dumps(lookup(old, name))}, not {json.dumps(lookup(new, name))}; "
+            "rows made two ways would mix. Write to a new --output folder, or keep the dataset's setting"
+        )
+    return manifest
+
+
+def open_dataset(folder: Path, settings: BuildSettings, group: ProcessGroup) -> dict:
+    """Create the dataset folder, or check that an existing one was made with the same settings.
+
+    Returns the manifest. The main process removes temporaries a killed build left behind.
+    """
+    folder = Path(folder)
+    manifest = check_settings(folder, settings) or {"settings": settings.to_dict(), "seconds": 0.0}
+    manifest["complete"] = False  # until this build finishes
+    group.barrier()  # every process has read the folder before the main process writes to it
+    if group.is_main:
+        for stale in folder.glob("**/.*.tmp"):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        manifest["draftsmith_version"] = importlib.metadata.version("draftsmith")
+        write_text(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    group.barrier()
+    return manifest
+
+
+def token_bar(desc: str, enabled: bool) -> tuple[Callable[[Progress], None] | None, Callable[[], None]]:
+    """A tqdm bar in tokens (rate in tokens/s, ETA from the most tokens still to come): (callback, close)."""
+    if not enabled:
+        return None, lambda: None
+    bar = tqdm(desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
+
+    def update(progress: Progress) -> None:
+        bar.total = progress.tokens_bound
+        bar.update(progress.tokens - bar.n)
+        bar.set_postfix_str(f"{progress.rows_done}/{progress.rows_total} rows", refresh=False)
+
+    return update, bar.close
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    """The finished answer shards, in name order (temporaries start with a dot and are skipped)."""
+    root = Path(folder) / SHARDS
+    return sorted(p for p in root.glob("shard-*") if p.is_dir()) if root.is_dir() else []
+
+
+def write_shard(folder: Path, process_index: int, rows: list[dict]) -> Path:
+    """Save ``rows`` as this process's next shard, atomically; return its path."""
+    mine = [p for p in shard_paths(folder) if p.name.startswith(f"shard-r{process_index}-")]
+    serial = 1 + max((int(p.name.rsplit("-", 1)[1]) for p in mine), default=-1)
+    final = Path(folder) / SHARDS / f"shard-r{process_index}-{serial:05d}"
+    with atomic_path(final) as tmp:
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+    return final
+
+
+def load_built(folder: Path) -> datasets.Dataset:
+    """Every finished row of a dataset folder, as one dataset (shards in name order)."""
+    folder = Path(folder)
+    if read_manifest(folder) is None:
+        raise DraftsmithError(f"{folder} is not a dataset built by draftsmith data (no {MANIFEST})")
+    shards = [datasets.load_from_disk(str(p)) for p in shard_paths(folder)]
+    if not shards:
+        raise DraftsmithError(f"{folder} holds no rows yet; run draftsmith data to build it")
+    return datasets.concatenate_datasets(shards)
+
+
+def done_keys(folder: Path) -> set[tuple[str, int]]:
+    """(prompt_id, sample) of every row already written."""
+    keys: set[tuple[str, int]] = set()
+    for path in shard_paths(folder):
+        shard = datasets.load_from_disk(str(path)).select_columns(["prompt_id", "sample"])
+        keys.update(zip(shard["prompt_id"], shard["sample"], strict=True))
+    return keys
+
+
+def training_examples(folder: Path, max_length: int) -> list[dict]:
+    """``{"input_ids", "loss_mask"}`` examples of a built dataset: the loss covers the answer tokens."""
+    rows = load_built(folder).select_columns(["prompt_ids", "answer_ids"])
+    return target_examples(rows["prompt_ids"], rows["answer_ids"], max_length)
+
+
+@dataclass(frozen=True)
+class SelfPromptRequest:
+    """Prompts the target writes itself: how many in all, how, and which ones are kept."""
+
+    count: int
+    settings: SelfPromptSettings = SelfPromptSettings()
+    filters: PromptFilter = PromptFilter()
+
+    def source_settings(self) -> dict:
+        """What identifies these prompts in the manifest (the count may grow; the rest is fixed)."""
+        return {"kind": "self", **self.settings.to_dict(), "filters": asdict(self.filters)}
+
+
+def read_self_prompts(folder: Path) -> list[PromptRecord]:
+    """The self-written prompts on disk, in writing order (round, then process), each id once."""
+    records, seen = [], set()
+    for path in sorted((Path(folder) / PROMPTS).glob("round-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            if row["id"] not in seen:  # two processes may write the same text in one round
+                seen.add(row["id"])
+                records.append(PromptRecord(**row))
+    return records
+
+
+def write_round(folder: Path, number: int, process_index: int, result: RoundResult) -> None:
+    """One process's prompts of one round (JSONL) and the round's counts (JSON), each atomically."""
+    stem = Path(folder) / PROMPTS / f"round-{number:05d}-r{process_index}"
+    lines = "".join(json.dumps(asdict(record)) + "\n" for record in result.prompts)
+    stats = {"candidates": result.candidates, "kept": len(result.prompts), "dropped": dict(result.dropped)}
+    write_text(stem.with_suffix(".stats.json"), json.dumps(stats) + "\n")
+    write_text(stem.with_suffix(".jsonl"), lines)
+
+
+def next_round(folder: Path) -> int:
+    rounds = [int(p.name.split("-")[1]) for p in (Path(folder) / PROMPTS).glob("round-*.jsonl")]
+    return 1 + max(rounds, default=-1)
+
+
+def self_prompts(
+    folder: Path,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    eos_ids: frozenset[int],
+    request: SelfPromptRequest,
+    seed: int,
+    batch_size: int,
+    group: ProcessGroup,
+    progress: bool = True,
+    max_idle_rounds: int = 3,
+) -> list[PromptRecord]:
+    """``request.count`` prompts written by the target, topic shares even; rounds go on until there are.
+
+    Each round, every process writes its share of what is missing; a round's prompts are saved when
+    it ends, so an interrupted build keeps its finished rounds. Fails after ``max_idle_rounds`` rounds
+    in a row that kept nothing (the filters reject everything the target writes).
+    """
+    shares = topic_shares(request.count, request.settings.topics)
+    oversample, idle = 1.25, 0
+    while True:
+        group.barrier()  # every process sees the same rounds on disk
+        records = read_self_prompts(folder)
+        have = Counter(record.topic for record in records)
+        need = {topic: max(0, n - have[topic]) for topic, n in shares.items()}
+        if not any(need.values()):
+            return [r for topic, n in shares.items() for r in [r for r in records if r.topic == topic][:n]]
+        if idle >= max_idle_rounds:
+            raise DraftsmithError(
+                f"the target wrote no usable prompt in {idle} rounds (dropped: {dropped_summary(folder)}); "
+                "relax the prompt filters or raise the prompt token limit"
+            )
+        mine = {topic: n // group.count + (group.index < n % group.count) for topic, n in need.items()}
+        number = next_round(folder)
+        callback, close = token_bar(f"writing prompts, round {number}", progress and group.is_main)
+        result = write_prompt_round(
+            model,
+            tokenizer,
+            mine,
+            request.settings,
+            eos_ids,
+            dedup_of(records),
+            request.filters,
+            seed,
+            tag=f"{number}-{group.index}",
+            batch_size=batch_size,
+            oversample=oversample,
+            on_progress=callback,
+        )
+        close()
+        write_round(folder, number, group.index, result)
+        group.barrier()
+        idle = idle + 1 if len(read_self_prompts(folder)) == len(records) else 0
+        oversample = min(8.0, 1.25 * result.candidates / max(len(result.prompts), 1))
+
+
+def dedup_of(records: list[PromptRecord]) -> Deduplicator:
+    dedup = Deduplicator()
+    for record in records:
+        dedup.add(record.text)
+    return dedup
+
+
+def dropped_summary(folder: Path) -> dict:
+    """Candidates written, prompts kept, and drops by reason, over every round on disk."""
+    total = Counter()
+    for path in (Path(folder) / PROMPTS).glob("round-*.stats.json"):
+        stats = json.loads(path.read_text(encoding="utf-8"))
+        total.update({"candidates": stats["candidates"], "kept": stats["kept"], **stats["dropped"]})
+    return dict(sorted(total.items()))
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[PromptRecord], max_new_tokens: int, context: int | None
+) -> tuple[dict[str, list[int]], int]:
+    """Token ids of each prompt awaiting its answer, by id; prompts too long for the context are left out.
+
+    Returns (ids by prompt id, how many were left out).
+    """
+    encoded, too_long = {}, 0
+    for record in prompts:
+        if record.id in encoded:
+            raise DraftsmithError(f"prompt id {record.id!r} appears twice in {record.source}; ids must be unique")
+        ids = encode_chat(tokenizer, record.messages, record.text)
+        if context is not None and len(ids) + max_new_tokens > context:
+            too_long += 1
+            continue
+        encoded[record.id] = ids
+    return encoded, too_long
+
+
+def answer_row(tokenizer, record: PromptRecord, sample: int, prompt_ids, answer_ids, eos_ids) -> dict:
+    return {
+        "prompt_id": record.id,
+        "sample": sample,
+        "source": record.source,
+        "topic": record.topic,
+        "messages": [{"role": m["role"], "content": m["content"]} for m in record.messages],
+        "prompt_ids": list(prompt_ids),
+        "answer_ids": answer_ids,
+        "answer_text": tokenizer.decode(answer_ids, skip_special_tokens=True),
+        "finished": bool(answer_ids) and answer_ids[-1] in eos_ids,
+    }
+
+
+def answer_prompts(
+    folder: Path,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    eos_ids: frozenset[int],
+    prompts: list[PromptRecord],
+    settings: BuildSettings,
+    samples_per_prompt: int,
+    batch_size: int,
+    shard_rows: int,
+    group: ProcessGroup,
+    progress: bool = True,
+) -> int:
+    """Answer every (prompt, sample) not yet in the dataset; this process takes every N-th.
+
+    Answers are written in shards of ``shard_rows`` rows as they complete. Sample ``s`` of a prompt
+    is drawn with a seed fixed by the run seed, the prompt id and ``s``, so a row does not depend on
+    which process made it or on what shared its batch. Returns the rows this process wrote.
+    """
+    sampling = SamplingParams(**settings.sampling)
+    context = model.config.get_text_config(decoder=True).max_position_embeddings
+    encoded, too_long = encode_prompts(tokenizer, prompts, settings.max_new_tokens, context)
+    if too_long and group.is_main:
+        print(f"left out {too_long} prompt(s) longer than the context allows with max_new_tokens", file=sys.stderr)
+    done = done_keys(folder)
+    items = [(record, sample) for record in prompts if record.id in encoded for sample in range(samples_per_prompt)]
+    mine = [
+        (record, sample)
+        for i, (record, sample) in enumerate(items)
+        if i % group.count == group.index and (record.id, sample) not in done
+    ]
+    if not mine:
+        return 0
+    seeds = [derived_seed(settings.seed, record.id, sample) for record, sample in mine]
+    callback, close = token_bar("answering", progress and group.is_main)
+    buffer, written = [], 0
+    for index, answer in stream_generate(
+        model,
+        [encoded[record.id] for record, _ in mine],
+        settings.max_new_tokens,
+        sampling=sampling,
+        eos_ids=eos_ids,
+        batch_size=batch_size,
+        seeds=None if sampling.greedy else seeds,
+        on_progress=callback,
+    ):
+        record, sample = mine[index]
+        buffer.append(answer_row(tokenizer, record, sample, encoded[record.id], answer, eos_ids))
+        if len(buffer) >= shard_rows:
+            write_shard(folder, group.index, buffer)
+            written, buffer = written + len(buffer), []
+    if buffer:
+        write_shard(folder, group.index, buffer)
+        written += len(buffer)
+    close()
+    return written
+
+
+def dataset_counts(folder: Path) -> dict:
+    """Rows, distinct prompts, tokens, and rows per topic and per source of a dataset folder."""
+    rows = load_built(folder)
+    table = rows.data
+    return {
+        "rows": len(rows),
+        "prompts": len(set(rows["prompt_id"])),
+        "answer_tokens": pc.sum(pc.list_value_length(table.column("answer_ids"))).as_py(),
+        "prompt_tokens": pc.sum(pc.list_value_length(table.column("prompt_ids"))).as_py(),
+        "finished_rows": sum(rows["finished"]),
+        "rows_by_topic": dict(sorted(Counter(rows["topic"]).items())),
+        "rows_by_source": dict(sorted(Counter(rows["source"]).items())),
+    }
+
+
+def finish_dataset(folder: Path, manifest: dict, request: dict, seconds: float, group: ProcessGroup) -> dict:
+    """After every process is done: the main process records counts, the request and the time taken."""
+    group.barrier()
+    if group.is_main:
+        manifest.update(request=request, counts=dataset_counts(folder), complete=True)
+        manifest["seconds"] = manifest.get("seconds", 0.0) + seconds
+        if manifest["settings"]["prompt_source"]["kind"] == "self":
+            manifest["self_prompts"] = dropped_summary(folder)
+        write_text(Path(folder) / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    group.barrier()
+    return manifest
+
+
+def build_dataset(
+    folder: Path,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    eos_ids: frozenset[int],
+    settings: BuildSettings,
+    prompts: list[PromptRecord] | SelfPromptRequest,
+    samples_per_prompt: int = 1,
+    batch_size: int = 64,
+    shard_rows: int = 256,
+    group: ProcessGroup | None = None,
+    progress: bool = True,
+) -> dict:
+    """Build (or continue, or extend) the dataset in ``folder``; return its manifest.
+
+    prompts: the prompts to answer, or a request for prompts the target writes itself (then written
+    first, into ``folder/prompts``). ``settings.prompt_source`` must describe them.
+    """
+    group = group or ProcessGroup()
+    if samples_per_prompt < 1:
+        raise DraftsmithError(f"--samples-per-prompt must be >= 1, got {samples_per_prompt}")
+    if samples_per_prompt > 1 and settings.sampling["temperature"] == 0:
+        raise DraftsmithError(
+            "greedy answers are all the same: more than one sample per prompt needs --temperature > 0"
+        )
+    started = time.perf_counter()
+    manifest = open_dataset(folder, settings, group)
+    if isinstance(prompts, SelfPromptRequest):
+        request = {"num_prompts": prompts.count, "samples_per_prompt": samples_per_prompt}
+        prompts = self_prompts(folder, model, tokenizer, eos_ids, prompts, settings.seed, batch_size, group, progress)
+    else:
+        request = {"num_prompts": len(prompts), "samples_per_prompt": samples_per_prompt}
+    answer_prompts(
+        folder,
+        model,
+        tokenizer,
+        eos_ids,
+        prompts,
+        settings,
+        samples_per_prompt,
+        batch_size=batch_size,
+        shard_rows=shard_rows,
+        group=group,
+        progress=progress,
+    )
+    return finish_dataset(folder, manifest, request, time.perf_counter() - started, group)

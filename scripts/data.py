@@ -1,0 +1,163 @@
+"""``draftsmith data``: build a training set of the target's own answers, as a dataset on disk.
+
+Prompts come from the target itself (``--prompts self``: it writes user messages, optionally steered
+to topics), the built-in prompt set, a local json/jsonl/csv/parquet file or ``save_to_disk`` folder,
+or a hub dataset. The target answers them with continuous batching. The folder is resumable: run the
+same command again after an interruption and it continues; ask for more prompts or samples and it
+adds rows; change a setting that decides what a row holds and it refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import datasets
+from accelerate import PartialState
+
+from draftsmith.distill.dataset_builder import (
+    BuildSettings,
+    ProcessGroup,
+    SelfPromptRequest,
+    build_dataset,
+    check_settings,
+    sampling_settings,
+)
+from draftsmith.distill.prompt_filters import PromptFilter
+from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, source_settings
+from draftsmith.distill.self_prompts import TOPICS, SelfPromptSettings
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import (
+    DEFAULT_TARGET,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from draftsmith.specdec.sampling import SamplingParams
+
+EPILOG = f"""prompt sources (--prompts):
+  self       the target writes user messages itself (--num-prompts of them; --topics to steer the mix)
+  builtin    the packaged training prompts
+  PATH       a .jsonl/.json/.csv/.parquet file or a save_to_disk folder, rows with messages,
+             conversations, prompt, question, instruction (+ input) or text (--column-map to rename)
+  HUB_ID     a hub dataset (--dataset-config, --split)
+
+topics: {", ".join(TOPICS)}
+
+examples:
+  draftsmith data --prompts self --num-prompts 2000 --topics coding,math,chat --output data/smol-self
+  draftsmith data --prompts builtin --samples-per-prompt 8 --temperature 0.7 --output data/smol-builtin
+  draftsmith data --prompts questions.csv --column-map prompt=question --output data/q
+  accelerate launch -m draftsmith.cli data --prompts self --num-prompts 100000 --output data/big
+
+The folder holds manifest.json and shards/ (datasets folders); `distill` trains from it by path."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="draftsmith data", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--output", required=True, help="dataset folder (created, or continued when it exists)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
+    p.add_argument("--prompts", default="self", help="self, builtin, a file or folder, or a hub id (default: self)")
+    p.add_argument("--num-prompts", type=int, default=None, help="--prompts self: how many prompts to write")
+    p.add_argument("--topics", default="", help="--prompts self: comma-separated topics (default: no steering)")
+    p.add_argument("--max-samples", type=int, default=None, help="use only the first N rows of a prompt source")
+    p.add_argument("--column-map", default=None, help="FIELD=COLUMN pairs, e.g. prompt=question,input=context")
+    p.add_argument("--skip-bad-rows", action="store_true", help="skip rows with no prompt (count printed)")
+    p.add_argument("--dataset-config", default=None, help="config name of a hub dataset")
+    p.add_argument("--split", default="train", help="split of a hub dataset or saved folder (default: train)")
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (needs --temperature > 0)")
+    p.add_argument("--temperature", type=float, default=0.7, help="answer temperature; 0 = greedy (default: 0.7)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default: 256)")
+    p.add_argument("--prompt-temperature", type=float, default=1.0, help="--prompts self: (default: 1.0)")
+    p.add_argument("--prompt-top-p", type=float, default=0.95, help="--prompts self: (default: 0.95)")
+    p.add_argument("--prompt-max-tokens", type=int, default=128, help="--prompts self: longer ones are dropped")
+    p.add_argument(
+        "--any-prompt-text",
+        action="store_true",
+        help="--prompts self: keep prompts that read as neither a question nor an instruction",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64, help="rows decoded together (default: 64)")
+    p.add_argument("--shard-rows", type=int, default=256, help="rows per saved shard (default: 256)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def prompt_plan(args: argparse.Namespace) -> tuple[list | SelfPromptRequest, dict]:
+    """What to answer (prompts, or a request for self-written ones) and its manifest description."""
+    if args.prompts == "self":
+        if args.num_prompts is None or args.num_prompts < 1:
+            raise DraftsmithError("--prompts self needs --num-prompts N (N >= 1): how many prompts to write")
+        for flag, value in (("--max-samples", args.max_samples), ("--column-map", args.column_map)):
+            if value is not None:
+                raise DraftsmithError(f"{flag} applies to a dataset prompt source, not to --prompts self")
+        topics = tuple(t.strip() for t in args.topics.split(",") if t.strip())
+        settings = SelfPromptSettings(topics, args.prompt_temperature, args.prompt_top_p, args.prompt_max_tokens)
+        request = SelfPromptRequest(args.num_prompts, settings, PromptFilter(require_request=not args.any_prompt_text))
+        return request, request.source_settings()
+    if args.num_prompts is not None:
+        raise DraftsmithError("--num-prompts counts self-written prompts; cap a prompt source with --max-samples")
+    if args.topics:
+        raise DraftsmithError("--topics steers self-written prompts (--prompts self); a prompt source has its own")
+    column_map = parse_column_map(args.column_map)
+    prompts = load_prompts(
+        args.prompts, args.dataset_config, args.split, column_map, args.max_samples, args.skip_bad_rows
+    )
+    return prompts, source_settings(args.prompts, args.dataset_config, args.split, column_map)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    datasets.disable_progress_bars()  # one bar, in tokens/s, is shown instead of one per saved shard
+    for flag, value in (("--batch-size", args.batch_size), ("--shard-rows", args.shard_rows)):
+        if value < 1:
+            raise DraftsmithError(f"{flag} must be >= 1, got {value}")
+    if args.max_new_tokens < 1:
+        raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    state = PartialState()
+    group = ProcessGroup(state.process_index, state.num_processes, state.wait_for_everyone)
+    device = state.device if state.num_processes > 1 else resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompts, source = prompt_plan(args)
+    settings = BuildSettings(
+        target=args.target,
+        dtype=str(dtype).removeprefix("torch."),
+        sampling=sampling_settings(sampling),
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        prompt_source=source,
+    )
+    output = Path(args.output)
+    check_settings(output, settings)  # before the model loads: a refused build fails at once
+    tokenizer = load_tokenizer(args.target)
+    model = load_model(args.target, device, dtype)
+    manifest = build_dataset(
+        output,
+        model,
+        tokenizer,
+        eos_token_ids(model, tokenizer),
+        settings,
+        prompts,
+        samples_per_prompt=args.samples_per_prompt,
+        batch_size=args.batch_size,
+        shard_rows=args.shard_rows,
+        group=group,
+        progress=not args.no_progress,
+    )
+    if group.is_main:
+        counts = manifest["counts"]
+        print(
+            f"{output}: {counts['rows']} rows, {counts['prompts']} prompts, {counts['answer_tokens']} answer tokens "
+            f"({manifest['seconds']:.0f} s of building in all)\n{json.dumps(counts['rows_by_topic'])}"
+        )
+    return 0

@@ -1,0 +1,168 @@
+"""``draftsmith data`` end to end on a tiny target saved to disk: killed midway, resumed, extended, refused."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from draftsmith.cli import main
+from draftsmith.distill.dataset_builder import load_built, read_self_prompts, shard_paths
+from tests.helpers import save_tiny_pair
+
+ROOT = Path(__file__).parents[2]
+# Runs the command, but SIGKILLs itself right after its Nth answer shard is saved: a hard kill
+# mid-build, with rows still in flight.
+KILLED_RUN = """
+import os, signal, sys
+from draftsmith.distill import dataset_builder
+real_write = dataset_builder.write_shard
+written = []
+def write_then_die(*args, **kwargs):
+    path = real_write(*args, **kwargs)
+    written.append(path)
+    if len(written) == int(os.environ["KILL_AFTER_SHARDS"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return path
+dataset_builder.write_shard = write_then_die
+from draftsmith.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are latency-bound: on a shared machine, OpenMP's thread barriers cost more than they save."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))[0]
+
+
+def self_args(target, output, num_prompts, *extra):
+    return [
+        "data",
+        "--target",
+        str(target),
+        "--prompts",
+        "self",
+        "--num-prompts",
+        str(num_prompts),
+        "--topics",
+        "coding,math,chat",
+        "--any-prompt-text",  # the tiny vocabulary has no English questions
+        "--prompt-max-tokens",
+        "64",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "1.0",
+        "--batch-size",
+        "8",
+        "--shard-rows",
+        "4",
+        "--no-progress",
+        "--output",
+        str(output),
+        *extra,
+    ]
+
+
+def keys_and_answers(folder) -> dict:
+    rows = load_built(folder)
+    keys = list(zip(rows["prompt_id"], rows["sample"], strict=True))
+    assert len(keys) == len(set(keys)), "duplicate rows"
+    return dict(zip(keys, rows["answer_ids"], strict=True))
+
+
+def test_killed_build_resumes_without_duplicates_or_loss(target, tmp_path):
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    env = os.environ | {"KILL_AFTER_SHARDS": "2", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = self_args(target, killed, 18, "--samples-per-prompt", "2")
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == -9, result.stderr[-3000:]
+    assert [p.name for p in shard_paths(killed)] == ["shard-r0-00000", "shard-r0-00001"]
+    assert len(load_built(killed)) == 8
+    assert json.loads((killed / "manifest.json").read_text())["complete"] is False
+
+    assert main(args) == 0  # the same command continues
+    assert main(self_args(target, whole, 18, "--samples-per-prompt", "2")) == 0  # never interrupted
+    resumed = keys_and_answers(killed)
+    prompt_ids = [p.id for p in read_self_prompts(killed)]
+    assert len(prompt_ids) == 18
+    assert sorted(resumed) == sorted((p, s) for p in prompt_ids for s in (0, 1))
+    assert resumed == keys_and_answers(whole)  # the same rows, sample for sample
+    manifest = json.loads((killed / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    assert manifest["counts"]["rows"] == 36 and manifest["counts"]["prompts"] == 18
+    assert manifest["counts"]["rows_by_topic"] == {"chat": 12, "coding": 12, "math": 12}
+
+
+def test_more_prompts_are_appended_and_a_changed_setting_is_refused(target, tmp_path, capsys):
+    out = tmp_path / "d"
+    assert main(self_args(target, out, 6)) == 0
+    first = keys_and_answers(out)
+    assert len(first) == 6
+    assert main(self_args(target, out, 9)) == 0
+    grown = keys_and_answers(out)
+    assert len(grown) == 9 and all(grown[key] == answer for key, answer in first.items())
+    capsys.readouterr()
+
+    assert main(self_args(target, out, 9, "--max-new-tokens", "20")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out} was built with max_new_tokens=16, not 20")
+    assert err.count("\n") == 1
+    assert main(self_args(target, out, 9, "--topics", "coding")) == 2
+    assert 'prompt_source.topics=["coding", "math", "chat"], not ["coding"]' in capsys.readouterr().err
+    assert len(load_built(out)) == 9
+
+
+def test_a_prompt_file_with_a_column_map_and_bad_rows_skipped(target, tmp_path, capsys):
+    rows = [{"q": f"w{3 + k} w{10 + k} w{20 + k % 5}"} for k in range(5)] + [{"other": "x"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["data", "--target", str(target), "--prompts", str(path), "--temperature", "0", "--no-progress"]
+    out = tmp_path / "d"
+    assert main([*base, "--column-map", "prompt=q", "--output", str(out), "--max-new-tokens", "8"]) == 2
+    assert "row 5 (counting from 0): none of the fields" in capsys.readouterr().err
+    argv = [*base, "--column-map", "prompt=q", "--skip-bad-rows", "--output", str(out), "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    assert "skipped 1 bad row(s) of 6" in capsys.readouterr().err
+    rows_out = datasets.load_from_disk(str(shard_paths(out)[0]))
+    assert sorted(rows_out["prompt_id"]) == ["0", "1", "2", "3", "4"]
+    assert all(len(a) <= 8 for a in rows_out["answer_ids"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompts", "self"], "--prompts self needs --num-prompts N"),
+        (["--prompts", "builtin", "--num-prompts", "5"], "cap a prompt source with --max-samples"),
+        (["--prompts", "self", "--num-prompts", "5", "--topics", "cooking"], "unknown topic(s) cooking"),
+        (["--prompts", "builtin", "--samples-per-prompt", "2", "--temperature", "0"], "greedy answers are all"),
+        (["--prompts", "./missing.jsonl"], "prompt file not found: ./missing.jsonl"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(target, tmp_path, capsys, argv, message):
+    assert main(["data", "--target", str(target), "--output", str(tmp_path / "d"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_help_explains_the_sources(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["data", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--prompts" in text and "the target writes user messages itself" in text and "coding" in text
