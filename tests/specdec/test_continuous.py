@@ -25,9 +25,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def attentive_llama(sharpness: float) -> torch.nn.Module:
+    """A tiny Llama whose attention is peaked, not near uniform as at random init (queries and keys x8):
+    its output then depends on which keys a row sees and at which positions, so a cache that mixes
+    rows up, drops a prefix or shifts positions changes the answers."""
+    model = tiny_llama(vocab=V, sharpness=sharpness)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    return model
+
+
 @pytest.fixture(scope="module")
 def target():
-    return tiny_llama(vocab=V, sharpness=8.0)
+    return attentive_llama(sharpness=8.0)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +76,28 @@ def test_eos_midway_frees_rows_that_new_prompts_take(target, prompts, refill_at)
     for answer in out:
         assert 7 not in answer[:-1]
     assert stats.new_tokens == sum(lengths)
-    assert stats.steps < sum(lengths) / 5 + 24  # rows are kept busy, not waiting for the longest answer
+    if refill_at == 1:  # every row is kept busy until the queue runs dry, not waiting for the longest answer
+        assert stats.steps < sum(lengths) / 5 + 24
+
+
+@pytest.mark.parametrize("batch_size", [3, 8])
+def test_prompts_with_a_shared_prefix_take_it_from_one_computation(target, prompts, batch_size):
+    system = [0, 9, 4, 17, 22, 5, 13]  # a chat template's system prompt, say
+    chats = [system + p for p in prompts]
+    expected = alone(target, chats, 16, eos_ids={7})
+    out, stats = continuous_generate(target, chats, 16, eos_ids={7}, batch_size=batch_size, refill_at=2)
+    assert out == expected
+    assert 1 <= stats.prefix_forwards < stats.prefills  # computed once, then reused by later groups
+
+
+def test_identical_prompts_share_all_but_their_last_token(target):
+    opening = [0, 3, 8, 8, 21, 30, 2]  # prompts written from one opening
+    params = SamplingParams(temperature=1.0)
+    out, stats = continuous_generate(target, [opening] * 12, 10, params, batch_size=4, seeds=list(range(12)))
+    assert stats.prefix_forwards == 1
+    for seed, answer in enumerate(out):
+        alone_out, _ = continuous_generate(target, [opening], 10, params, batch_size=1, seeds=[seed])
+        assert answer == alone_out[0]
 
 
 def test_one_new_token_finishes_every_row_at_its_prefill(target, prompts):
@@ -122,13 +155,16 @@ def exact_pair(model, prompt, temperature, top_k, top_p) -> torch.Tensor:
     return first[:, None] * torch.stack([reference_probs(row, temperature, top_k, top_p) for row in second])
 
 
-@pytest.mark.parametrize("per_prompt_seeds", [True, False])
-def test_sampled_rows_follow_the_target_distribution(per_prompt_seeds):
-    model = tiny_llama(vocab=V, sharpness=3.0)
+@pytest.mark.parametrize(
+    ("per_prompt_seeds", "short"),
+    [(True, [0, 4, 9]), (False, [0, 4, 9]), (True, [0, 7, 7, 2, 5, 3, 4, 9])],  # the last: a shared prefix
+)
+def test_sampled_rows_follow_the_target_distribution(per_prompt_seeds, short):
+    model = attentive_llama(sharpness=3.0)
     temperature, top_k, top_p = 0.8, 12, 0.9
-    short, long = [0, 4, 9], [0, 7, 7, 2, 5, 3, 11, 11]
+    long = [0, 7, 7, 2, 5, 3, 11, 11]
     n = 2500
-    prompts = [short if i % 2 else long for i in range(2 * n)]  # ragged: refills mix both lengths
+    prompts = [short if i % 2 else long for i in range(2 * n)]  # ragged: refills mix both
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     seeds = list(range(2 * n)) if per_prompt_seeds else None
     generator = torch.Generator().manual_seed(0)
