@@ -3,8 +3,8 @@
 Filters (``PromptFilter.reject``) say why a prompt is dropped: ``unfinished`` (the writer ran out of
 tokens before ending its turn), ``too_short`` / ``too_long`` (in words), ``repetitive`` (the same
 word 3-gram again and again, the usual failure of a small model sampling freely), and
-``not_a_request`` (neither a question nor an instruction: no ``?`` and no request word such as
-*write*, *explain*, *how*).
+``not_a_request`` (neither a question nor an instruction: no ``?``, and its first word is not one
+that opens a request, such as *write*, *explain*, *how*, *I*).
 
 De-duplication (``Deduplicator``) drops exact duplicates after normalization (case, punctuation and
 whitespace ignored) and near duplicates: texts whose sets of word 3-grams have a Jaccard similarity
@@ -31,7 +31,7 @@ give list tell help create make generate summarize summarise translate compare f
 fix suggest recommend provide show rewrite edit draft compose design plan please i i'm im my we need want let define
 prove convert classify analyze analyse outline
 """
-REQUEST_WORDS = frozenset(_REQUEST_WORDS.split())  # a request opens with one of these within its first 3 words
+REQUEST_WORDS = frozenset(_REQUEST_WORDS.split())  # a request without a question mark opens with one of these
 _WORD = re.compile(r"[\w']+")
 _PRIME = (1 << 61) - 1  # a Mersenne prime above every 32-bit shingle hash
 
@@ -70,7 +70,7 @@ class PromptFilter:
         grams = list(zip(tokens, tokens[1:], tokens[2:], strict=False))
         if grams and 1 - len(set(grams)) / len(grams) > self.max_repeated_ngrams:
             return "repetitive"
-        if self.require_request and "?" not in text and not REQUEST_WORDS.intersection(tokens[:3]):
+        if self.require_request and "?" not in text and tokens[0] not in REQUEST_WORDS:
             return "not_a_request"
         return None
 

@@ -60,6 +60,7 @@ def test_normalized_text_ignores_case_punctuation_and_spacing():
         ("Hello there", True, "too_short"),
         ("the cat and the dog " * 3, True, "repetitive"),
         ("The weather was nice yesterday and we went for a walk.", True, "not_a_request"),
+        ("It is important to be prepared for the unexpected.", True, "not_a_request"),
         ("The weather was nice yesterday, was it not?", True, None),  # a question mark makes it a question
     ],
 )
