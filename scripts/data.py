@@ -123,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             raise DraftsmithError(f"{flag} must be >= 1, got {value}")
     if args.max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    state = PartialState()
+    device = resolve_device(args.device)
+    state = PartialState(cpu=device.type == "cpu")  # several CPU processes talk over gloo
     group = ProcessGroup(state.process_index, state.num_processes, state.wait_for_everyone)
-    device = state.device if state.num_processes > 1 else resolve_device(args.device)
+    if state.num_processes > 1 and device.type == "cuda":
+        device = state.device  # this process's own GPU
     dtype = resolve_dtype(args.dtype, device)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts, source = prompt_plan(args)
