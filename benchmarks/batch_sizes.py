@@ -15,6 +15,7 @@ from common import default_target, median, prompt_ids, save
 from draftsmith.distill.draft_init import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import load_model
+from draftsmith.specdec.options import DecodeOptions
 
 
 def main() -> None:
@@ -30,16 +31,16 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     prompts = prompt_ids(tokenizer)
     pool = (prompts * ((max(sizes) // len(prompts)) + 1))[: max(sizes)]
-    n, gamma = args.max_new_tokens, args.gamma
+    n, options = args.max_new_tokens, DecodeOptions(gamma=args.gamma)
     target_generate(target, pool[:2], 8, eos_ids=eos)
-    speculative_generate(target, draft, pool[:2], 8, gamma, eos_ids=eos)
+    speculative_generate(target, draft, pool[:2], 8, options=options, eos_ids=eos)
     result = {}
     for size in sizes:
         batch = pool[:size]
         ratios, base_tps, spec_tps, alphas, identical = [], [], [], [], True
         for _ in range(args.repeats):
             base, b = target_generate(target, batch, n, eos_ids=eos)
-            spec, s = speculative_generate(target, draft, batch, n, gamma, eos_ids=eos)
+            spec, s = speculative_generate(target, draft, batch, n, options=options, eos_ids=eos)
             identical &= base == spec
             base_tps.append(b.tokens_per_s)
             spec_tps.append(s.tokens_per_s)
@@ -57,7 +58,9 @@ def main() -> None:
             f"batch {size:>2}: target {r['target_tokens_per_s']:7.1f} t/s  spec {r['spec_tokens_per_s']:7.1f} t/s  "
             f"speedup {r['speedup']:.2f}  alpha {r['acceptance_rate']:.3f}  identical {identical}"
         )
-    save("batch_sizes", {"gamma": gamma, "max_new_tokens": n, "draft": args.draft or "truncate:2", "sizes": result})
+    save(
+        "batch_sizes", {"gamma": args.gamma, "max_new_tokens": n, "draft": args.draft or "truncate:2", "sizes": result}
+    )
 
 
 if __name__ == "__main__":

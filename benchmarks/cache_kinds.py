@@ -14,6 +14,7 @@ from common import default_target, median, prompt_ids, save, timed
 from draftsmith.distill.draft_init import truncate_target
 from draftsmith.specdec.cache import CACHE_KINDS
 from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.options import DecodeOptions
 
 
 def main() -> None:
@@ -28,14 +29,15 @@ def main() -> None:
     n = args.max_new_tokens
     for kind in CACHE_KINDS:  # warm-up
         target_generate(target, prompts[:1], 8, eos_ids=eos, cache_kind=kind)
-        speculative_generate(target, draft, prompts[:1], 8, 4, eos_ids=eos, cache_kind=kind)
+        speculative_generate(target, draft, prompts[:1], 8, options=DecodeOptions(cache_kind=kind), eos_ids=eos)
     tps = {f"{mode}/{kind}": [] for mode in ("target", "spec") for kind in CACHE_KINDS}
     for _ in range(args.repeats):
         for ids in prompts:
             for kind in CACHE_KINDS:
                 (out, _), dt = timed(target_generate, target, [ids], n, eos_ids=eos, cache_kind=kind)
                 tps[f"target/{kind}"].append(len(out[0]) / dt)
-                (out, _), dt = timed(speculative_generate, target, draft, [ids], n, 4, eos_ids=eos, cache_kind=kind)
+                options = DecodeOptions(gamma=4, cache_kind=kind)
+                (out, _), dt = timed(speculative_generate, target, draft, [ids], n, options=options, eos_ids=eos)
                 tps[f"spec/{kind}"].append(len(out[0]) / dt)
     result = {}
     for mode in ("target", "spec"):

@@ -2,10 +2,10 @@
 
 1. The LM head (49,152 x 576, the default target's) on a (1, 1, H) slice of a (1, Q, H) hidden
    state, as ``logits_to_keep`` hands it over, against the same row with standard strides
-   (``decoder._standard_strides_into_head``).
+   (``stream.standard_strides_into_head``).
 2. One query over a few hundred keys with grouped-query attention (9 query heads, 3 key/value
    heads): ``sdpa`` with ``enable_gqa`` against heads packed by key/value group
-   (``attention._one_query``).
+   (``attention.one_query_attention``).
 
 Ratios are medians over repeats of interleaved timings. Run: .venv/bin/python benchmarks/cpu_kernels.py
 """
@@ -18,7 +18,7 @@ import time
 import torch
 from common import median, save
 
-from draftsmith.specdec.attention import _one_query
+from draftsmith.specdec.attention import one_query_attention
 
 
 def per_call(fn, calls: int) -> float:
@@ -45,7 +45,7 @@ def main() -> None:
         "head_sliced": lambda: torch.nn.functional.linear(sliced, weight),
         "head_standard": lambda: torch.nn.functional.linear(standard, weight),
         "attn_sdpa_gqa": lambda: torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True),
-        "attn_packed": lambda: _one_query(query, keys, values, None),
+        "attn_packed": lambda: one_query_attention(query, keys, values, None),
     }
     ratios = {"head_sliced_vs_standard": [], "attn_gqa_vs_packed": []}
     with torch.inference_mode():

@@ -18,8 +18,9 @@ from common import default_target, median, prompt_ids, save, timed
 
 from draftsmith.distill.draft_init import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
-from draftsmith.specdec.evaluate import hf_generate, predicted_speedup
+from draftsmith.specdec.evaluate import hf_generate, predicted_speedup, step_costs, sum_stats
 from draftsmith.specdec.loading import resolve_dtype
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -39,12 +40,13 @@ def main() -> None:
     draft = truncate_target(target, 2)
     prompts = prompt_ids(tokenizer, args.prompts)
     gamma, n = args.gamma, args.max_new_tokens
+    options = DecodeOptions(gamma=gamma)
     n_self = 1 + ((n - 1) // (gamma + 1)) * (gamma + 1)  # whole rounds only, so tau is exact
 
     # Warm-up.
-    hf_generate(target, prompts[0], 8, GREEDY, eos, None, gamma)
+    hf_generate(target, prompts[0], 8, sampling=GREEDY, eos_ids=eos, assistant=None, gamma=gamma)
     target_generate(target, prompts[:1], 8, eos_ids=eos)
-    speculative_generate(target, draft, prompts[:1], 8, gamma, eos_ids=eos)
+    speculative_generate(target, draft, prompts[:1], 8, options=options, eos_ids=eos)
 
     rows = {k: [] for k in ("base_vs_hf", "spec_vs_assisted", "self_speedup", "self_predicted", "self_tau")}
     identical, same_as_hf = [], []
@@ -53,17 +55,19 @@ def main() -> None:
         tok = {k: 0 for k in t}
         self_stats, self_base_stats = [], []
         for ids in prompts:
-            hf_out, dt = timed(hf_generate, target, ids, n, GREEDY, eos, None, gamma)
+            hf_out, dt = timed(hf_generate, target, ids, n, sampling=GREEDY, eos_ids=eos, assistant=None, gamma=gamma)
             t["hf"] += dt
             tok["hf"] += len(hf_out)
             (base_out, _), dt = timed(target_generate, target, [ids], n, eos_ids=eos)
             t["base"] += dt
             tok["base"] += len(base_out[0])
             same_as_hf.append(base_out[0] == hf_out)
-            assisted_out, dt = timed(hf_generate, target, ids, n, GREEDY, eos, draft, gamma)
+            assisted_out, dt = timed(
+                hf_generate, target, ids, n, sampling=GREEDY, eos_ids=eos, assistant=draft, gamma=gamma
+            )
             t["assisted"] += dt
             tok["assisted"] += len(assisted_out)
-            (spec_out, _), dt = timed(speculative_generate, target, draft, [ids], n, gamma, eos_ids=eos)
+            (spec_out, _), dt = timed(speculative_generate, target, draft, [ids], n, options=options, eos_ids=eos)
             t["spec"] += dt
             tok["spec"] += len(spec_out[0])
             identical.append(spec_out[0] == base_out[0])
@@ -72,21 +76,18 @@ def main() -> None:
             t["self_base"] += dt
             tok["self_base"] += len(out[0])
             self_base_stats.append(st)
-            (out2, st2), dt = timed(speculative_generate, target, target, [ids], n_self, gamma)
+            (out2, st2), dt = timed(speculative_generate, target, target, [ids], n_self, options=options)
             t["self_spec"] += dt
             tok["self_spec"] += len(out2[0])
             self_stats.append(st2)
             identical.append(out2[0] == out[0])
         tps = {k: tok[k] / t[k] for k in t}
-        step = sum(s.verify_time for s in self_base_stats) / sum(s.rounds for s in self_base_stats)
-        draft_steps = sum(s.draft_forwards - 1 for s in self_stats)
-        c = sum(s.draft_time for s in self_stats) / draft_steps / step
-        v = sum(s.verify_time for s in self_stats) / sum(s.rounds for s in self_stats) / step
+        c, v = step_costs(sum_stats(self_base_stats), sum_stats(self_stats), calls=len(self_stats))
         rows["base_vs_hf"].append(tps["base"] / tps["hf"])
         rows["spec_vs_assisted"].append(tps["spec"] / tps["assisted"])
         rows["self_speedup"].append(tps["self_spec"] / tps["self_base"])
         rows["self_predicted"].append(predicted_speedup(1.0, gamma, c, v))
-        rows["self_tau"].append(sum(s.round_tokens for s in self_stats) / sum(s.seq_rounds for s in self_stats))
+        rows["self_tau"].append(sum_stats(self_stats).mean_accepted_tokens)
         print(f"repeat {rep + 1}: " + ", ".join(f"{k} {tps[k]:.1f} t/s" for k in tps) + f"; c={c:.2f} v={v:.2f}")
 
     result = {k: median(v) for k, v in rows.items()}

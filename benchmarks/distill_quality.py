@@ -24,6 +24,7 @@ from draftsmith.distill.draft_init import truncate_target
 from draftsmith.distill.losses import acceptance_probability
 from draftsmith.specdec.decoder import speculative_generate
 from draftsmith.specdec.loading import eos_token_ids, load_model
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.loop import build_examples, build_models, train
 
@@ -42,7 +43,7 @@ def measure(draft, target, held: list[dict], eos) -> dict:
         agree += int((p.argmax(-1) == q.argmax(-1))[mask].sum())
         count += int(mask.sum())
         prompts.append(ex["input_ids"][: int(mask.nonzero()[0]) + 1])
-    _, stats = speculative_generate(target, draft, prompts, 64, gamma=4, eos_ids=eos)
+    _, stats = speculative_generate(target, draft, prompts, 64, options=DecodeOptions(gamma=4), eos_ids=eos)
     return {
         "sum_min_pq": mins / count,
         "greedy_agreement": agree / count,

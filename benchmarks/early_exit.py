@@ -17,8 +17,9 @@ import argparse
 import torch
 from common import PROMPTS, default_target, save
 
-from draftsmith.distill.draft_init import draft_decoder, load_draft
+from draftsmith.distill.draft_init import load_draft
 from draftsmith.specdec.evaluate import evaluate_pair
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 
 
@@ -36,22 +37,21 @@ def main() -> None:
     early = load_draft(args.early_exit, target, target.device, torch.float32)
     truncated = load_draft(args.truncated, target, target.device, torch.float32)
     rows = {
-        "early-exit, KV reuse": (early, draft_decoder(early, kv_reuse=True)),
-        "early-exit, full verification": (early, draft_decoder(early, kv_reuse=False)),
-        "truncated, standalone": (truncated, draft_decoder(truncated)),
+        "early-exit, KV reuse": (early, True),
+        "early-exit, full verification": (early, False),
+        "truncated, standalone": (truncated, True),
     }
     result = {}
-    for name, (draft, decode) in rows.items():
+    for name, (draft, kv_reuse) in rows.items():
         r = evaluate_pair(
             target,
             draft,
             tokenizer,
             prompts,
-            gamma=args.gamma,
+            options=DecodeOptions(gamma=args.gamma, kv_reuse=kv_reuse),
             max_new_tokens=args.max_new_tokens,
             eos_ids=eos,
             repeats=args.repeats,
-            decode=decode,
             progress=False,
         )
         result[name] = {

@@ -22,10 +22,11 @@ from unittest import mock
 import torch
 from common import default_target, median, prompt_ids, save, timed
 
-from draftsmith.specdec import decoder as decoder_module
+from draftsmith.specdec import stream as stream_module
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.draft_vocab import SubsetHeadDraft, load_ranking
 from draftsmith.specdec.loading import load_model
+from draftsmith.specdec.options import DecodeOptions
 
 
 def main() -> None:
@@ -46,19 +47,21 @@ def main() -> None:
         models[name] = (target, draft)
     cut = SubsetHeadDraft(models["bf16"][1], ranking, eos)
     prompts = prompt_ids(tokenizer, args.prompts)
-    n, gamma = args.max_new_tokens, args.gamma
+    n, options = args.max_new_tokens, DecodeOptions(gamma=args.gamma)
 
     def plain_steps(target, ids):
-        with mock.patch.object(decoder_module, "needs_row_padding", lambda model: False):
+        with mock.patch.object(stream_module, "needs_row_padding", lambda model: False):
             return target_generate(target, [ids], n, eos_ids=eos)
 
     runs = {
         "base_fp32": lambda ids: target_generate(models["fp32"][0], [ids], n, eos_ids=eos),
         "base_bf16": lambda ids: target_generate(models["bf16"][0], [ids], n, eos_ids=eos),
         "base_bf16_one_row": lambda ids: plain_steps(models["bf16"][0], ids),
-        "spec_fp32": lambda ids: speculative_generate(*models["fp32"], [ids], n, gamma, eos_ids=eos),
-        "spec_bf16": lambda ids: speculative_generate(*models["bf16"], [ids], n, gamma, eos_ids=eos),
-        "spec_bf16_cut_head": lambda ids: speculative_generate(models["bf16"][0], cut, [ids], n, gamma, eos_ids=eos),
+        "spec_fp32": lambda ids: speculative_generate(*models["fp32"], [ids], n, options=options, eos_ids=eos),
+        "spec_bf16": lambda ids: speculative_generate(*models["bf16"], [ids], n, options=options, eos_ids=eos),
+        "spec_bf16_cut_head": lambda ids: speculative_generate(
+            models["bf16"][0], cut, [ids], n, options=options, eos_ids=eos
+        ),
     }
     for fn in runs.values():  # warm-up
         fn(prompts[0])
@@ -107,7 +110,7 @@ def main() -> None:
     result["identical"] = {k: sum(v) / len(v) for k, v in identical.items()}
     result.update(
         checkpoint=str(ckpt),
-        gamma=gamma,
+        gamma=args.gamma,
         draft_vocab=len(ranking),
         max_new_tokens=n,
         prompts=len(prompts),
@@ -124,7 +127,7 @@ def main() -> None:
         "the same, against the (not row-exact) one-row target-only decoder: "
         f"{result['speedup_bf16_cut_head_vs_one_row_target']:.2f}x"
     )
-    print(f"alpha at gamma {gamma}: " + ", ".join(f"{k} {v:.3f}" for k, v in alpha.items()))
+    print(f"alpha at gamma {args.gamma}: " + ", ".join(f"{k} {v:.3f}" for k, v in alpha.items()))
     print("greedy output identical to the same dtype's target-only decoder: " + str(result["identical"]))
     save("precision_and_vocab", result)
 

@@ -91,23 +91,6 @@ def add_lora(draft: PreTrainedModel, rank: int, alpha: int, target_modules: list
     return get_peft_model(draft, config)
 
 
-@torch.no_grad()
-def measure_cost_ratio(target: PreTrainedModel, draft: PreTrainedModel, prompt_len: int = 32, steps: int = 16) -> float:
-    """c = one draft decoding step / one target decoding step, timed with the bundled decoder's baseline."""
-    from draftsmith.specdec.decoder import target_generate
-
-    prompt = [list(range(1, prompt_len + 1))]
-    step_time = {}
-    for name, model in (("target", target), ("draft", draft)):
-        was_training = model.training
-        model.eval()
-        target_generate(model, prompt, 4)  # warm-up
-        _, stats = target_generate(model, prompt, steps + 1)
-        step_time[name] = stats.verify_time / stats.rounds
-        model.train(was_training)
-    return step_time["draft"] / step_time["target"]
-
-
 def load_draft(spec: str, target: PreTrainedModel, device: torch.device, dtype: torch.dtype):
     """A draft to evaluate, by spec: ``self`` (the target), ``truncate:LAYERS`` or ``early_exit:K`` of the
     target (untrained), an early-exit checkpoint folder, or any model ``load_model`` takes."""
@@ -123,12 +106,3 @@ def load_draft(spec: str, target: PreTrainedModel, device: torch.device, dtype: 
     if is_early_exit(Path(spec)):
         return EarlyExitDraft.load(Path(spec), target)
     return load_model(spec, device, dtype)
-
-
-def draft_decoder(draft, kv_reuse: bool = True):
-    """The speculative decoder for ``draft``: with KV reuse for an early-exit draft, else the standalone one."""
-    from draftsmith.distill.early_exit import EarlyExitDraft
-    from draftsmith.specdec.decoder import speculative_generate
-    from draftsmith.specdec.self_spec import self_speculative_generate
-
-    return self_speculative_generate if kv_reuse and isinstance(draft, EarlyExitDraft) else speculative_generate

@@ -3,9 +3,10 @@ small trainable exit head (an adapter decoder layer initialized from the target'
 and the target's LM head, shared and frozen).
 
 Because the first k layers are the target's, the keys and values the draft computes there are the
-ones the target needs: ``specdec.self_spec`` lets the target reuse them and run only its layers
-k..L-1 over the candidates (SPEC.md section 2, KV reuse (b); Draft & Verify, Zhang et al. 2024;
-LayerSkip, Elhoushi et al. 2024). Used on its own (``--no-kv-reuse``) it is a standalone draft.
+ones the target needs: the decoder lets the target reuse them and run only its layers k..L-1 over
+the candidates (``specdec.self_spec``; Draft & Verify, Zhang et al. 2024; LayerSkip, Elhoushi et
+al. 2024). ``EarlyExitDraft`` is the ``specdec.self_spec.EarlyExit`` the decoder expects for that.
+Used on its own (``--no-kv-reuse``) it is a standalone draft.
 
 A checkpoint holds only the trained parameters (``exit_head.safetensors``) and ``early_exit.json``
 (the target and k); the shared layers come from the target when it is loaded.
@@ -25,6 +26,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.self_spec import run_layers
 
 META = "early_exit.json"
 WEIGHTS = "exit_head.safetensors"
@@ -74,20 +76,8 @@ class EarlyExitDraft(nn.Module):
 
     def lower(self, input_ids, position_ids, cache: Cache | None, attention_mask=None) -> torch.Tensor:
         """Hidden states after the target's layers 0..k-1 (B, Q, H); writes those layers' cache."""
-        decoder = self.target.get_decoder()
-        hidden = decoder.embed_tokens(input_ids)
-        mask = self._mask(hidden, attention_mask, cache, position_ids, 0)
-        rotary = decoder.rotary_emb(hidden, position_ids=position_ids)
-        for layer in decoder.layers[: self.k]:
-            hidden = layer(
-                hidden,
-                attention_mask=mask,
-                position_embeddings=rotary,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=cache is not None,
-            )
-        return hidden
+        hidden = self.target.get_decoder().embed_tokens(input_ids)
+        return run_layers(self.target, hidden, position_ids, cache, range(0, self.k), attention_mask)
 
     def exit_logits(
         self,

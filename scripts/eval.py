@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.distill.draft_init import draft_decoder, load_draft
+from draftsmith.distill.draft_init import load_draft
 from draftsmith.distill.early_exit import EarlyExitDraft
 from draftsmith.options import GAMMA, device_options, draft_vocab_option, progress_option, prompt_options
 from draftsmith.specdec import draft_vocab
@@ -25,6 +25,7 @@ from draftsmith.specdec.loading import (
     resolve_device,
     resolve_dtype,
 )
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.self_spec import measure_verify_saving
@@ -109,9 +110,14 @@ def _cut_head(args, draft, early_exit: bool, eos: frozenset[int]):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    if args.gamma < 1:
-        raise DraftsmithError(f"--gamma must be >= 1, got {args.gamma}")
+    options = DecodeOptions(
+        gamma=args.gamma,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
+        draft_greedy=args.draft_greedy,
+        confidence_threshold=args.confidence_threshold,
+        cache_kind=args.cache,
+        kv_reuse=not args.no_kv_reuse,
+    )
     if args.max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
@@ -141,19 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         draft,
         tokenizer,
         prompts,
-        gamma=args.gamma,
+        options=options,
         max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
         eos_ids=eos_token_ids(target, tokenizer),
         seed=args.seed,
         repeats=args.repeats,
         batch_size=args.batch_size,
-        cache_kind=args.cache,
-        confidence_threshold=args.confidence_threshold,
-        draft_greedy=args.draft_greedy,
         compare_hf=args.compare_hf,
         progress=not args.no_progress,
-        decode=draft_decoder(draft, kv_reuse),
     )
     if early_exit:
         report.update(measure_verify_saving(target, draft, args.gamma))

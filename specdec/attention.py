@@ -39,7 +39,9 @@ def _plain_causal_prefix(mask: torch.Tensor | None) -> bool:
     return mask is not None and mask.dtype == torch.bool and mask.shape[0] == 1 and bool(mask[0, 0, -1, -1])
 
 
-def _one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def one_query_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
     """Attention of one query position over all of ``key``: (1, H, 1, D) x (1, Hkv, L, D) -> (1, 1, H, D).
 
     Query head h reads key/value head h // (H / Hkv), as ``repeat_kv`` would arrange it.
@@ -69,13 +71,13 @@ def exact_attention(
     plain = batch == 1 and heads % key.shape[1] == 0 and not any(kwargs.get(k) for k in _UNSUPPORTED)
     scaling = kwargs.get("scaling")
     if plain and q == 1 and attention_mask is None:
-        return _one_query(query, key, value, scaling), None
+        return one_query_attention(query, key, value, scaling), None
     if not plain or q == 1 or q > MAX_ROWS or kv <= q or not _plain_causal_prefix(attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv - q
     real = q if rows_needed is None else rows_needed
     rows = [
-        _one_query(query[:, :, i : i + 1], key[:, :, : past + i + 1], value[:, :, : past + i + 1], scaling)
+        one_query_attention(query[:, :, i : i + 1], key[:, :, : past + i + 1], value[:, :, : past + i + 1], scaling)
         for i in range(real)
     ]
     if real < q:
@@ -88,11 +90,13 @@ AttentionMaskInterface.register(EXACT, sdpa_mask)
 
 
 def use_exact_attention(model: torch.nn.Module) -> None:
-    """Switch a model that uses ``sdpa`` to row-exact attention (identical results for single tokens)."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+    """Switch a model that uses ``sdpa`` to row-exact attention (identical results for single tokens).
+
+    ``model``: a ``transformers`` model, or a wrapper whose ``config`` is its inner model's.
+    """
+    if model.config._attn_implementation != "sdpa":
         return
     if isinstance(model, PreTrainedModel):
         model.set_attn_implementation(EXACT)
     else:
-        config._attn_implementation = EXACT
+        model.config._attn_implementation = EXACT

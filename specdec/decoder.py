@@ -1,12 +1,17 @@
 """The speculative decoder and the target-only baseline, batched, on the same cache code.
 
-One round (SPEC.md section 2; Leviathan et al. 2023, Chen et al. 2023):
+One round (Leviathan et al. 2023, Chen et al. 2023), the steps of ``speculative_generate``:
 
-1. draft   the draft extends each live sequence by up to gamma tokens, one forward per token;
-2. verify  the target scores ``[x_n, d_1 .. d_g]`` for every sequence in ONE forward;
-3. accept  left to right, stopping at the first rejection (``sampling.accept_*``);
-4. correct one token from the target (residual at the rejection, or the bonus after all g);
-5. rollback both caches forget the rejected positions; nothing before them is recomputed.
+1. draft   the drafter extends each live sequence by up to gamma tokens (``drafters``);
+2. verify  the target scores ``[x_n, d_1 .. d_g]`` of every sequence in ONE forward (``verify``);
+3. accept  left to right, stopping at the first rejection, plus one token from the target: the
+           correction at the rejection, or the bonus after all g (``verify.accept``);
+4. commit  emit those tokens, then roll both caches back to the committed prefix: the positions
+           of rejected tokens are forgotten, nothing before them is recomputed.
+
+The loop knows drafters and verifiers only by their calls (``drafters.Drafter``,
+``verify.Verifier``): a standalone draft LM, or a draft made of the target's own first layers that
+shares its cache (``self_spec``), run in the same loop.
 
 Batching design: padded slots with per-sequence positions. All sequences of a batch write the
 same cache slots in each forward, but each keeps its own logical positions (``position_ids``) and
@@ -20,15 +25,20 @@ is never a hole, the mask is a plain causal one, and the model takes its fastest
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.specdec.attention import use_exact_attention
-from draftsmith.specdec.cache import SlotTracker, default_cache_kind, make_cache, select_batch
-from draftsmith.specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits, sample
+from draftsmith.specdec.cache import default_cache_kind
+from draftsmith.specdec.drafters import Drafter, LMDrafter, Proposal
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.sampling import SamplingParams, choose_token
+from draftsmith.specdec.self_spec import EarlyExit, shared_layers_pair
+from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad
+from draftsmith.specdec.timing import Clock
+from draftsmith.specdec.verify import TargetVerifier, Verifier, accept, verification_inputs
 
 
 @dataclass
@@ -75,188 +85,32 @@ class DecodeStats:
         }
 
 
-class _Clock:
-    """Wall-clock timer that waits for the device, so GPU time is charged to the right phase."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.last = self.now()
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def lap(self) -> float:
-        now = self.now()
-        elapsed, self.last = now - self.last, now
-        return elapsed
-
-
-class _Stream:
-    """A model plus its cache and slot bookkeeping for one batch.
-
-    Every stream's model gets row-exact attention (``specdec.attention``; also the fastest
-    single-query path). ``row_exact``: the model's logits must not depend on how many tokens a
-    forward carries (the target's, in a low-precision dtype). Matrix products are row-exact from two
-    rows up, but the one-row (GEMV) kernels sum in another order, so a one-token forward of one
-    sequence is run as two rows, the second a padding input that is dropped again.
-    """
-
-    def __init__(self, model: PreTrainedModel, batch_size: int, capacity: int, cache_kind: str, row_exact=False):
-        self.model = model
-        self.device = model.device
-        self.cache = make_cache(cache_kind, model.config, capacity + 1)
-        self.tracker = SlotTracker(batch_size, capacity + 1, self.device)
-        self.pad_single = row_exact and batch_size == 1 and needs_row_padding(model)
-        self._pad_valid = torch.tensor([[True, False]], device=self.device)
-        use_exact_attention(model)
-        _standard_strides_into_head(model)
-
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        """Append ``tokens`` (B, Q) (padding where ``valid`` is False) and return logits (B, K, V)."""
-        if self.pad_single and tokens.shape == (1, 1):
-            logits = self._forward(tokens.repeat(1, 2), self._pad_valid, 0, {"exact_rows": 1})
-            self.tracker.drop_last_slot()  # the padding slot
-            self.cache.crop(-1)
-            return logits[:, :1]
-        return self._forward(tokens, valid, logits_to_keep, {})
-
-    def _forward(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int, extra: dict) -> torch.Tensor:
-        holes_before = self.tracker.holes
-        positions = self.tracker.reserve(valid)
-        kv_length, _ = self.cache.get_mask_sizes(tokens.shape[1], 0)
-        mask = self.tracker.attention_mask(tokens.shape[1], kv_length, self.model.dtype)
-        if mask is not None and not holes_before and valid.shape[0] == 1 and bool(valid[0].long().diff().le(0).all()):
-            # One sequence whose only padding trails its real inputs (a padded verification): the
-            # real rows never look past themselves, so the plain causal mask is right for them.
-            mask = None
-        out = self.model(
-            input_ids=tokens,
-            position_ids=positions,
-            attention_mask=mask,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **extra,
-        )
-        return out.logits
-
-    def rollback(self, keep: torch.Tensor) -> None:
-        """Keep the first ``keep[b]`` tokens of each sequence in the cache (B,)."""
-        dropped = self.tracker.rollback(keep)
-        if dropped:
-            self.cache.crop(-dropped)
-
-    def select(self, indices: torch.Tensor) -> None:
-        select_batch(self.cache, indices)
-        self.tracker.select(indices)
-
-
-def _standard_strides_into_head(model: PreTrainedModel) -> None:
-    """Give the LM head its input with standard strides.
-
-    ``logits_to_keep`` hands the head a slice of the hidden states, e.g. shape (1, 1, H) with a
-    batch stride of Q*H. For such an input torch's bfloat16 CPU matmul takes a batched path that
-    copies the whole weight first: 40 ms instead of 2 ms for a 49k-token head (benchmarks/cpu_kernels.py).
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or getattr(head, "_draftsmith_strides", False):
-        return
-    head.register_forward_pre_hook(
-        lambda _module, args: (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
-    )
-    head._draftsmith_strides = True
-
-
-def needs_row_padding(model: PreTrainedModel) -> bool:
-    """Whether one-token forwards of ``model`` go through two rows (see ``_Stream``): in 16-bit dtypes,
-    where the last-bit differences of one-row kernels flip near-tied argmaxes. In float32 they do
-    not in practice, and on CPUs whose float32 BLAS is slow for two rows the padding would cost."""
-    return model.dtype in (torch.bfloat16, torch.float16)
-
-
-def _left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, L_max) token ids and validity mask, prompts right-aligned."""
-    width = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        tokens[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        valid[row, width - len(prompt) :] = True
-    return tokens.to(device), valid.to(device)
-
-
-def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row from (B, V) logits."""
-    if params.greedy:
-        return logits.argmax(-1)
-    return sample(process_logits(logits, params), generator)
-
-
-def propose(
-    logits: torch.Tensor,
-    sampling: SamplingParams,
-    draft_greedy: bool,
-    confidence_threshold: float | None,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One draft step from draft logits (B, V): (token (B,), q (B, V) or None, confident (B,) bool or None).
-
-    q is the processed distribution the token was drawn from, None when the draft chose its argmax
-    (q is then one-hot). ``confident`` is whether ``max q`` reaches the threshold (dynamic gamma).
-    """
-    if sampling.greedy or draft_greedy:
-        token, q = logits.argmax(-1), None
-    else:
-        q = process_logits(logits, sampling)
-        token = sample(q, generator)
-    if confidence_threshold is None:
-        return token, q, None
-    judged = q
-    if judged is None:  # confidence is judged on the processed distribution, as when sampling
-        judged = logits.float().softmax(-1) if sampling.greedy else process_logits(logits, sampling)
-    return token, q, judged.max(-1).values >= confidence_threshold
-
-
-def accept(
-    drafted: torch.Tensor,
-    draft_probs: list[torch.Tensor],
-    target_logits: torch.Tensor,
-    n_proposed: torch.Tensor,
-    sampling: SamplingParams,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 3-4 of a round: (n_accepted (B,), next token (B,)) by the greedy or the sampling rule.
-
-    drafted (B, G); draft_probs: the q of each step, empty when the draft chose greedily.
-    """
-    if sampling.greedy:
-        return accept_greedy(drafted, target_logits, n_proposed)
-    q = torch.stack(draft_probs, 1) if draft_probs else None
-    return accept_sampled(drafted, q, process_logits(target_logits, sampling), n_proposed, generator)
-
-
 def _check_prompts(prompts: list[list[int]], max_new_tokens: int) -> None:
     if not prompts:
-        raise ValueError("no prompts to decode")
+        raise DraftsmithError("no prompts to decode")
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise DraftsmithError("every prompt needs at least one token")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise DraftsmithError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
-class _Outputs:
-    """Generated tokens per sequence, with EOS and length limits applied."""
+class Outputs:
+    """Each sequence's committed tokens (prompt, then generated), with EOS and length limits applied."""
 
-    def __init__(self, batch_size: int, max_new_tokens: int, eos_ids: set[int]):
-        self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
-        self.done = [False] * batch_size
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] | frozenset[int]):
+        self.sequences = [list(p) for p in prompts]
+        self.prompt_lengths = [len(p) for p in prompts]
+        self.done = [False] * len(prompts)
         self.max_new_tokens = max_new_tokens
-        self.eos_ids = eos_ids
+        self.eos_ids = frozenset(eos_ids)
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """The generated tokens of each sequence."""
+        return [seq[n:] for seq, n in zip(self.sequences, self.prompt_lengths, strict=True)]
 
     def remaining(self, seq: int) -> int:
-        return self.max_new_tokens - len(self.tokens[seq])
+        return self.max_new_tokens - (len(self.sequences[seq]) - self.prompt_lengths[seq])
 
     def emit(self, seq: int, new: list[int]) -> int:
         """Append ``new``, cut after the first EOS and at the length limit; return how many were kept."""
@@ -266,10 +120,22 @@ class _Outputs:
                 new = new[: i + 1]
                 self.done[seq] = True
                 break
-        self.tokens[seq].extend(new)
+        self.sequences[seq].extend(new)
         if self.remaining(seq) == 0:
             self.done[seq] = True
         return len(new)
+
+
+def _drop_finished(
+    out: Outputs, live: list[int], models: list[Drafter | Verifier | ModelStream], device: torch.device
+) -> list[int]:
+    """The sequences of ``live`` (one per batch row) still decoding; finished rows leave ``models``."""
+    rows = [row for row, seq in enumerate(live) if not out.done[seq]]
+    if rows and len(rows) < len(live):
+        index = torch.tensor(rows, device=device)
+        for model in models:
+            model.select(index)
+    return [live[row] for row in rows]
 
 
 @torch.inference_mode()
@@ -284,229 +150,136 @@ def target_generate(
 ) -> tuple[list[list[int]], DecodeStats]:
     """Plain KV-cached autoregressive decoding: the baseline every speedup is measured against."""
     _check_prompts(prompts, max_new_tokens)
-    device = target.device
-    cache_kind = cache_kind or default_cache_kind(device)
-    batch = len(prompts)
+    device, batch = target.device, len(prompts)
+    clock = Clock(device)
     stats = DecodeStats(batch_size=batch)
-    clock = _Clock(device)
-    start = clock.last
-    out = _Outputs(batch, max_new_tokens, set(eos_ids))
-    live = list(range(batch))  # original index of each row still in the batch
-
-    tokens, valid = _left_pad(prompts, device)
-    stream = _Stream(target, batch, tokens.shape[1] + max_new_tokens + 1, cache_kind, row_exact=True)
-    logits = stream.forward(tokens, valid, logits_to_keep=1)[:, -1]
-    stats.target_forwards += 1
-    stats.prefill_time += clock.lap()
-    while True:
-        chosen = _choose(logits, sampling, generator).tolist()
-        for row, seq in enumerate(live):
-            stats.new_tokens += out.emit(seq, [chosen[row]])
-        stats.other_time += clock.lap()
-        keep_rows = [row for row, seq in enumerate(live) if not out.done[seq]]
-        if not keep_rows:
-            break
-        if len(keep_rows) < len(live):
-            stream.select(torch.tensor(keep_rows, device=device))
-            live = [live[row] for row in keep_rows]
-        step = torch.tensor([[out.tokens[seq][-1]] for seq in live], device=device)
-        logits = stream.forward(step, torch.ones_like(step, dtype=torch.bool))[:, -1]
+    out = Outputs(prompts, max_new_tokens, eos_ids)
+    tokens, valid = left_pad(prompts, device)
+    capacity = tokens.shape[1] + max_new_tokens + 1
+    stream = ModelStream(target, batch, capacity, cache_kind or default_cache_kind(device), row_exact=True)
+    with decoding_threads(target):
+        logits = stream.forward(tokens, valid, logits_to_keep=1)[:, -1]
         stats.target_forwards += 1
-        stats.rounds += 1
-        stats.seq_rounds += len(live)
-        stats.round_tokens += len(live)
-        stats.verify_time += clock.lap()
-    stats.total_time = clock.now() - start
+        stats.prefill_time += clock.lap()
+        live = list(range(batch))  # the sequence in each row of the batch
+        while True:
+            for row, token in enumerate(choose_token(logits, sampling, generator).tolist()):
+                stats.new_tokens += out.emit(live[row], [token])
+            stats.other_time += clock.lap()
+            live = _drop_finished(out, live, [stream], device)
+            if not live:
+                break
+            step = torch.tensor([[out.sequences[seq][-1]] for seq in live], device=device)
+            logits = stream.forward(step, torch.ones_like(step, dtype=torch.bool))[:, -1]
+            stats.target_forwards += 1
+            stats.rounds += 1
+            stats.seq_rounds += len(live)
+            stats.round_tokens += len(live)
+            stats.verify_time += clock.lap()
+    stats.total_time = clock.total()
     return out.tokens, stats
 
 
 @torch.inference_mode()
 def speculative_generate(
     target: PreTrainedModel,
-    draft: PreTrainedModel,
+    draft: torch.nn.Module,
     prompts: list[list[int]],
     max_new_tokens: int,
-    gamma: int = 4,
-    sampling: SamplingParams = SamplingParams(),
+    options: DecodeOptions = DecodeOptions(),
     eos_ids: set[int] | frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
-    cache_kind: str | None = None,
-    draft_greedy: bool = False,
-    confidence_threshold: float | None = None,
-    verify_widths: dict[int, int] | None = None,
 ) -> tuple[list[list[int]], DecodeStats]:
-    """Speculative decoding of ``prompts`` (token id lists): output is exactly the target's.
+    """Speculative decoding of ``prompts`` (token id lists): the output is exactly the target's.
 
-    gamma: draft tokens per round (at most). draft_greedy: the draft proposes its argmax (q one-hot)
-    even when sampling. verify_widths: run a verification over q tokens as one over
-    ``verify_widths[q]`` >= q, the extra inputs masked padding after the real ones (some CPU BLAS
-    libraries are slower for 2-3 rows than for 4; ``tune_verify_widths`` measures it).
-    confidence_threshold: dynamic gamma; a sequence stops drafting in a round
-    after a token whose draft probability ``max q`` is below it.
-
-    A target on ``sdpa`` attention is switched to its row-exact variant (``specdec.attention``), so
-    a verification forward gives the same logits as single-token steps, bit for bit, in any dtype.
+    draft: a causal LM over the target's vocabulary, or a ``self_spec.EarlyExit`` draft, which
+    shares the target's cache when ``options.kv_reuse``. The target is switched to row-exact
+    attention (``specdec.attention``), so a verification forward gives the logits of single-token
+    steps, bit for bit, in any dtype.
     """
     _check_prompts(prompts, max_new_tokens)
-    if gamma < 1:
-        raise ValueError(f"gamma must be >= 1, got {gamma}")
-    device = target.device
-    cache_kind = cache_kind or default_cache_kind(device)
-    batch = len(prompts)
+    device, batch = target.device, len(prompts)
+    clock = Clock(device)
     stats = DecodeStats(batch_size=batch, seq_proposed=[0] * batch, seq_accepted=[0] * batch)
-    clock = _Clock(device)
-    start = clock.last
-    out = _Outputs(batch, max_new_tokens, set(eos_ids))
-    live = list(range(batch))
-    prompt_len = [len(p) for p in prompts]
+    out = Outputs(prompts, max_new_tokens, eos_ids)
+    verifier, drafter = _verifier_and_drafter(target, draft, prompts, max_new_tokens, options)
+    with decoding_threads(target):
+        # Prefill: both models read the prompts; the target's logits after them give the first tokens.
+        tokens, valid = left_pad(prompts, device)
+        reusable = drafter.prefill(tokens, valid)
+        first = choose_token(verifier.prefill(tokens, valid, reusable), options.sampling, generator)
+        for seq, token in enumerate(first.tolist()):
+            stats.new_tokens += out.emit(seq, [token])
+        stats.target_forwards, stats.draft_forwards = 1, 1
+        stats.prefill_time += clock.lap()
 
-    # Prefill. Holes from ragged rounds may add up to gamma slots per round for batch > 1.
-    tokens, valid = _left_pad(prompts, device)
-    extra = max_new_tokens + gamma + 2 if batch == 1 else (max_new_tokens + 1) * (gamma + 1) + 2
-    target_stream = _Stream(target, batch, tokens.shape[1] + extra, cache_kind, row_exact=True)
-    draft_stream = _Stream(draft, batch, tokens.shape[1] + extra, cache_kind)
-    first = _choose(target_stream.forward(tokens, valid, logits_to_keep=1)[:, -1], sampling, generator)
-    stats.target_forwards += 1
-    draft_stream.forward(tokens, valid, logits_to_keep=1)
-    stats.draft_forwards += 1
-    for row, tok in enumerate(first.tolist()):
-        stats.new_tokens += out.emit(row, [tok])
-    # Tokens committed but not yet in each model's cache: the target always lags by one (x_n);
-    # the draft by one, or by two after a fully accepted round (it never saw d_gamma).
-    draft_pending = [[out.tokens[seq][-1]] for seq in live]
-    stats.prefill_time += clock.lap()
+        live = list(range(batch))  # the sequence in each row of the models' batches
+        while live := _drop_finished(out, live, [verifier, drafter], device):
+            # 1. Draft: up to gamma tokens each, never past max_new_tokens (a round emits n + 1).
+            budget = torch.tensor([min(options.gamma, out.remaining(seq) - 1) for seq in live], device=device)
+            proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
+            stats.draft_forwards += proposal.steps
+            stats.draft_time += clock.lap()
 
-    while True:
-        keep_rows = [row for row, seq in enumerate(live) if not out.done[seq]]
-        if not keep_rows:
-            break
-        if len(keep_rows) < len(live):
-            index = torch.tensor(keep_rows, device=device)
-            target_stream.select(index)
-            draft_stream.select(index)
-            live = [live[row] for row in keep_rows]
-            draft_pending = [draft_pending[row] for row in keep_rows]
-        n_live = len(live)
-        # Never draft past max_new_tokens: a round emits at most n_proposed + 1 tokens.
-        budget = torch.tensor([min(gamma, out.remaining(seq) - 1) for seq in live], device=device)
+            # 2. Verify: one target forward over [x_n, d_1 .. d_g] for every sequence.
+            last = torch.tensor([out.sequences[seq][-1] for seq in live], device=device)
+            inputs, valid = verification_inputs(last, proposal)
+            target_logits = verifier.verify(inputs, valid, proposal.reusable)  # (B, g+1, V)
+            stats.target_forwards += 1
+            stats.verify_time += clock.lap()
 
-        # 1. Draft.
-        drafted, draft_probs, n_proposed = _draft(
-            draft_stream, draft_pending, budget, sampling, draft_greedy, confidence_threshold, generator
-        )
-        stats.draft_forwards += len(drafted)
-        stats.draft_time += clock.lap()
+            # 3. Accept a prefix of each proposal, then one token from the target after it.
+            n_accepted, next_token = accept(proposal, target_logits, options.sampling, generator)
 
-        # 2. Verify: one target forward over [x_n, d_1 .. d_g] for every sequence.
-        g = len(drafted)
-        last = torch.tensor([[out.tokens[seq][-1]] for seq in live], device=device)
-        d = torch.stack(drafted, 1) if g else torch.zeros(n_live, 0, dtype=torch.long, device=device)
-        width = (verify_widths or {}).get(g + 1, g + 1)
-        verify_in = torch.nn.functional.pad(torch.cat([last, d], 1), (0, width - g - 1))  # (B, width)
-        # Padding sits after the real inputs: no real query attends to it, and rollback drops it.
-        verify_valid = torch.arange(width, device=device)[None, :] <= n_proposed[:, None]
-        target_logits = target_stream.forward(verify_in, verify_valid)[:, : g + 1]  # (B, g+1, V)
-        stats.target_forwards += 1
-        stats.verify_time += clock.lap()
-
-        # 3-4. Accept and correct.
-        n_accepted, next_token = accept(d, draft_probs, target_logits, n_proposed, sampling, generator)
-
-        # 5. Emit, then roll both caches back to what each must hold.
-        n_acc, n_prop, nxt, d_list = n_accepted.tolist(), n_proposed.tolist(), next_token.tolist(), d.tolist()
-        keep_target, keep_draft = [], []
-        for row, seq in enumerate(live):
-            emitted = d_list[row][: n_acc[row]] + [nxt[row]]
-            kept = out.emit(seq, emitted)
-            stats.new_tokens += kept
-            stats.round_tokens += kept
-            stats.proposed += n_prop[row]
-            stats.accepted += n_acc[row]
-            stats.seq_proposed[seq] += n_prop[row]
-            stats.seq_accepted[seq] += n_acc[row]
-            committed = prompt_len[seq] + len(out.tokens[seq])
-            all_accepted = n_prop[row] > 0 and n_acc[row] == n_prop[row]
-            draft_pending[row] = [d_list[row][n_acc[row] - 1], nxt[row]] if all_accepted else [nxt[row]]
-            keep_target.append(committed - 1)
-            keep_draft.append(committed - len(draft_pending[row]))
-        target_stream.rollback(torch.tensor(keep_target, device=device))
-        draft_stream.rollback(torch.tensor(keep_draft, device=device))
-        stats.rounds += 1
-        stats.seq_rounds += n_live
-        stats.other_time += clock.lap()
-
-    stats.total_time = clock.now() - start
+            # 4. Commit: emit, then roll both caches back to the committed tokens except the newest
+            #    (the next round's x_n, which no cache has read).
+            _emit_round(out, stats, live, proposal, n_accepted, next_token)
+            keep = torch.tensor([len(out.sequences[seq]) - 1 for seq in live], device=device)
+            verifier.rollback(keep)
+            drafter.rollback(keep)
+            stats.other_time += clock.lap()
+    stats.total_time = clock.total()
     return out.tokens, stats
 
 
-@torch.inference_mode()
-def tune_verify_widths(model: PreTrainedModel, max_tokens: int, context: int = 128, reps: int = 5) -> dict[int, int]:
-    """For each verification size q <= max_tokens, the width w >= q (up to max_tokens + 4) whose forward
-    is fastest on this machine, timed on a ``context``-token cache. Sizes where padding does not pay
-    are left out (the decoder then runs q as is)."""
-    device = model.device
-    clock = _Clock(device)
-    stream = _Stream(model, 1, context + max_tokens + 8, default_cache_kind(device))
-    prompt = torch.arange(1, context + 1, device=device)[None] % model.config.vocab_size
-    stream.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), logits_to_keep=1)
-    cost = {}
-    for width in range(1, max_tokens + 5):
-        x = torch.ones(1, width, dtype=torch.long, device=device)
-        times = []
-        for _ in range(reps):
-            clock.lap()
-            stream.forward(x, torch.ones_like(x, dtype=torch.bool))
-            times.append(clock.lap())
-            stream.rollback(torch.tensor([context], device=device))
-        cost[width] = sorted(times)[reps // 2]
-    widths = {}
-    for q in range(1, max_tokens + 1):
-        best = min(range(q, max_tokens + 5), key=cost.get)
-        if cost[best] < 0.9 * cost[q]:  # only where it clearly pays
-            widths[q] = best
-    return widths
+def _verifier_and_drafter(
+    target: PreTrainedModel,
+    draft: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    options: DecodeOptions,
+) -> tuple[Verifier, Drafter]:
+    """The target's and the draft's sides of the loop, with caches sized for the whole run."""
+    batch = len(prompts)
+    widest = max([options.gamma + 1, *options.verify_widths.values()])
+    # A round adds at most `widest` slots; with batch > 1 a ragged round also leaves holes behind.
+    extra = max_new_tokens + widest + 1 if batch == 1 else (max_new_tokens + 1) * widest + 1
+    capacity = max(len(p) for p in prompts) + extra
+    if options.kv_reuse and isinstance(draft, EarlyExit):
+        return shared_layers_pair(target, draft, batch, capacity, options)
+    cache_kind = options.cache_kind or default_cache_kind(target.device)
+    verifier = TargetVerifier(target, batch, capacity, cache_kind, options.verify_widths)
+    return verifier, LMDrafter(draft, batch, capacity, cache_kind)
 
 
-def _draft(
-    stream: _Stream,
-    pending: list[list[int]],
-    budget: torch.Tensor,
-    sampling: SamplingParams,
-    draft_greedy: bool,
-    confidence_threshold: float | None,
-    generator: torch.Generator | None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Run the draft autoregressively for up to ``budget[b]`` tokens per sequence.
-
-    Returns the drafted tokens (a list of (B,) per step), the processed draft distributions q they
-    were drawn from (a list of (B, V), empty when greedy), and how many tokens each sequence
-    proposed (B,). Sequences that stop early keep feeding padding so the batch stays dense.
-    """
-    device = budget.device
-    batch = len(pending)
-    width = max(len(p) for p in pending)
-    step_in = torch.zeros(batch, width, dtype=torch.long)
-    step_valid = torch.zeros(batch, width, dtype=torch.bool)
-    for row, toks in enumerate(pending):
-        step_in[row, width - len(toks) :] = torch.tensor(toks)
-        step_valid[row, width - len(toks) :] = budget[row].item() > 0
-    step_in, step_valid = step_in.to(device), step_valid.to(device)
-    active = budget > 0
-    n_proposed = torch.zeros(batch, dtype=torch.long, device=device)
-    drafted: list[torch.Tensor] = []
-    probs: list[torch.Tensor] = []
-    for i in range(int(budget.max())):
-        logits = stream.forward(step_in, step_valid, logits_to_keep=1)[:, -1]  # (B, V)
-        token, q, confident = propose(logits, sampling, draft_greedy, confidence_threshold, generator)
-        if q is not None:
-            probs.append(q)
-        drafted.append(token)
-        n_proposed += active.long()
-        if confident is not None:
-            active &= confident
-        active &= budget > i + 1
-        if not bool(active.any()):
-            break
-        # The last drafted token is fed only if another one is to be drafted after it.
-        step_in, step_valid = token[:, None], active[:, None]
-    return drafted, probs, n_proposed
+def _emit_round(
+    out: Outputs,
+    stats: DecodeStats,
+    live: list[int],
+    proposal: Proposal,
+    n_accepted: torch.Tensor,
+    next_token: torch.Tensor,
+) -> None:
+    """Emit each sequence's accepted draft tokens and the target's token after them, and count them."""
+    accepted, proposed = n_accepted.tolist(), proposal.counts.tolist()
+    drafted, following = proposal.tokens.tolist(), next_token.tolist()
+    for row, seq in enumerate(live):
+        kept = out.emit(seq, drafted[row][: accepted[row]] + [following[row]])
+        stats.new_tokens += kept
+        stats.round_tokens += kept
+        stats.proposed += proposed[row]
+        stats.accepted += accepted[row]
+        stats.seq_proposed[seq] += proposed[row]
+        stats.seq_accepted[seq] += accepted[row]
+    stats.rounds += 1
+    stats.seq_rounds += len(live)

@@ -2,13 +2,19 @@
 
 Speedup is spec tokens/s over target-only tokens/s on the same prompts, the same
 ``max_new_tokens`` and stop rules, the same cache kind, after a warm-up, with the two decoders
-interleaved batch by batch and the median over repeats taken (SPEC.md section 3). The baseline is
+interleaved batch by batch and the median over repeats taken. The baseline is
 ``decoder.target_generate``, a KV-cached decoder at least as fast as ``transformers`` ``generate``
-(``benchmarks/decoder_vs_hf.py``).
+(``benchmarks/decoder_vs_hf.py``), so the speedup is not inflated by a slow reference.
+
+The cost ratios come from the same runs: c = one draft step / one target single-token step, v = one
+verification forward / one target single-token step (``step_costs``); ``measure_cost_ratio`` times
+c on its own, for a draft that is not being evaluated (during training).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -18,10 +24,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.specdec.decoder import DecodeStats, speculative_generate, target_generate, tune_verify_widths
+from draftsmith.specdec.decoder import DecodeStats, speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt, check_length, encode_chat
 from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.timing import eval_mode
+from draftsmith.specdec.verify import tune_verify_widths
 
 
 def predicted_speedup(alpha: float, gamma: float, c: float, v: float = 1.0) -> float:
@@ -57,8 +66,8 @@ def alpha_from_tau(tau: float, gamma: int) -> float:
 
 
 @dataclass
-class _Tally:
-    """Tokens and seconds of one decoder over one repeat."""
+class Tally:
+    """Tokens and seconds of one decoder over one repeat, and the stats of each of its calls."""
 
     tokens: int = 0
     seconds: float = 0.0
@@ -68,13 +77,47 @@ class _Tally:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    def add(self, stats: DecodeStats) -> None:
+        self.tokens += stats.new_tokens
+        self.seconds += stats.total_time
+        self.stats.append(stats)
 
-def _sum_stats(stats: list[DecodeStats]) -> DecodeStats:
+
+def sum_stats(stats: list[DecodeStats]) -> DecodeStats:
+    """The counters and timings of several decoding calls added up."""
     total = DecodeStats()
     for s in stats:
         for name in total.__dataclass_fields__:
             setattr(total, name, getattr(total, name) + getattr(s, name))
     return total
+
+
+def single_step_time(baseline: DecodeStats) -> float:
+    """Seconds of one single-token step of a target-only run (prefill excluded); nan without steps."""
+    return baseline.verify_time / baseline.rounds if baseline.rounds else math.nan
+
+
+def step_costs(baseline: DecodeStats, spec: DecodeStats, calls: int) -> tuple[float, float]:
+    """(c, v) from a target-only run and a speculative run on the same prompts, each the sum of
+    ``calls`` decoding calls: c = one draft step / one target step, v = one verification / one
+    target step. The draft's prefill forwards (one per call) are not steps."""
+    step = single_step_time(baseline)
+    draft_steps = spec.draft_forwards - calls
+    c = spec.draft_time / draft_steps / step if draft_steps else math.nan
+    v = spec.verify_time / spec.rounds / step if spec.rounds else math.nan
+    return c, v
+
+
+def measure_cost_ratio(target: PreTrainedModel, draft: torch.nn.Module, prompt_len: int = 32, steps: int = 16) -> float:
+    """c = one draft decoding step / one target decoding step, each timed decoding alone (as the
+    target-only baseline decodes), for a draft that is not being evaluated as a pair."""
+    prompt = [[t % target.config.vocab_size for t in range(1, prompt_len + 1)]]
+    step = {}
+    with eval_mode(target, draft):
+        for name, model in (("target", target), ("draft", draft)):
+            target_generate(model, prompt, 4)  # warm-up
+            step[name] = single_step_time(target_generate(model, prompt, steps + 1)[1])
+    return step["draft"] / step["target"]
 
 
 def _batches(prompts: list[Prompt], batch_size: int) -> list[list[int]]:
@@ -117,159 +160,188 @@ def hf_generate(
     return out[0, len(ids) :].tolist()
 
 
+@dataclass
+class _Pair:
+    """The pair under measurement and the settings both decoders share."""
+
+    target: PreTrainedModel
+    draft: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    options: DecodeOptions
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    generator: torch.Generator
+
+    def encode(self, prompt: Prompt, history: list[dict]) -> list[int]:
+        ids = encode_chat(self.tokenizer, history, prompt.text if len(prompt.turns) == 1 else None)
+        check_length(ids, self.max_new_tokens, self.target.config.max_position_embeddings, prompt.id)
+        return ids
+
+    def run_target(self, batch_ids: list[list[int]]) -> tuple[list[list[int]], DecodeStats]:
+        return _guard_memory(
+            lambda: target_generate(
+                self.target,
+                batch_ids,
+                self.max_new_tokens,
+                sampling=self.options.sampling,
+                eos_ids=self.eos_ids,
+                generator=self.generator,
+                cache_kind=self.options.cache_kind,
+            ),
+            len(batch_ids),
+        )
+
+    def run_spec(self, batch_ids: list[list[int]]) -> tuple[list[list[int]], DecodeStats]:
+        return _guard_memory(
+            lambda: speculative_generate(
+                self.target,
+                self.draft,
+                batch_ids,
+                self.max_new_tokens,
+                options=self.options,
+                eos_ids=self.eos_ids,
+                generator=self.generator,
+            ),
+            len(batch_ids),
+        )
+
+    def time_hf(self, ids: list[int], hf: dict[str, Tally]) -> None:
+        """``transformers`` generate and assisted generation on one prompt, into ``hf``."""
+        for name, assistant in (("generate", None), ("assisted", self.draft)):
+            start = time.perf_counter()
+            new = hf_generate(
+                self.target,
+                ids,
+                self.max_new_tokens,
+                sampling=self.options.sampling,
+                eos_ids=self.eos_ids,
+                assistant=assistant,
+                gamma=self.options.gamma,
+            )
+            hf[name].tokens += len(new)
+            hf[name].seconds += time.perf_counter() - start
+
+
 def evaluate_pair(
     target: PreTrainedModel,
-    draft: PreTrainedModel,
+    draft: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[Prompt],
-    gamma: int = 4,
+    *,
+    options: DecodeOptions = DecodeOptions(),
     max_new_tokens: int = 128,
-    sampling: SamplingParams = SamplingParams(),
     eos_ids: frozenset[int] = frozenset(),
     seed: int = 0,
     repeats: int = 3,
     batch_size: int = 1,
-    cache_kind: str | None = None,
-    confidence_threshold: float | None = None,
-    draft_greedy: bool = False,
     compare_hf: bool = False,
     progress: bool = True,
-    decode=speculative_generate,
     tune_verify: bool = True,
 ) -> dict:
     """Run the baseline and the speculative decoder side by side; return the report as a dict.
 
-    tune_verify: pad verification passes to the widths ``tune_verify_widths`` finds faster here.
-    decode: the speculative decoder (``speculative_generate``, or ``self_spec.self_speculative_generate``
-    for an early-exit draft that shares the target's cache); both take the same arguments.
+    options: how the speculative decoder decodes (its sampling is the baseline's too). tune_verify:
+    at batch size 1 and without widths in ``options``, pad verification passes to the widths
+    ``verify.tune_verify_widths`` finds faster on this machine.
     """
-    if gamma < 1:
-        raise DraftsmithError(f"gamma must be >= 1, got {gamma}")
     if batch_size < 1:
         raise DraftsmithError(f"batch size must be >= 1, got {batch_size}")
     if repeats < 1:
         raise DraftsmithError(f"repeats must be >= 1, got {repeats}")
     if compare_hf and batch_size != 1:
         raise DraftsmithError("--compare-hf needs --batch-size 1: transformers' assisted generation takes one sequence")
-    context = target.config.max_position_embeddings
-    device = target.device
-    generator = torch.Generator(device=device)
-
-    def encode(prompt: Prompt, history: list[dict]) -> list[int]:
-        ids = encode_chat(tokenizer, history, prompt.text if len(prompt.turns) == 1 else None)
-        check_length(ids, max_new_tokens, context, prompt.id)
-        return ids
-
-    # Verification widths that run faster padded, measured on this machine (single sequences only;
-    # the shared-cache decoder verifies its own way).
-    verify_widths = {}
-    if tune_verify and batch_size == 1 and decode is speculative_generate:
-        verify_widths = tune_verify_widths(target, gamma + 1)
-    extra = {"verify_widths": verify_widths} if decode is speculative_generate else {}
-
-    def run_spec(batch_ids):
-        return decode(
-            target,
-            draft,
-            batch_ids,
-            max_new_tokens,
-            gamma,
-            sampling,
-            eos_ids,
-            generator,
-            cache_kind,
-            draft_greedy,
-            confidence_threshold,
-            **extra,
-        )
-
-    def run_target(batch_ids):
-        return target_generate(target, batch_ids, max_new_tokens, sampling, eos_ids, generator, cache_kind)
+    if tune_verify and batch_size == 1 and not options.verify_widths:
+        options = dataclasses.replace(options, verify_widths=tune_verify_widths(target, options.gamma + 1))
+    generator = torch.Generator(device=target.device)
+    pair = _Pair(target, draft, tokenizer, options, max_new_tokens, frozenset(eos_ids), generator)
 
     # Warm-up: the first calls pay for allocator growth and kernel selection.
-    warm = [encode(prompts[0], prompts[0].turns[0])]
+    warm = [pair.encode(prompts[0], prompts[0].turns[0])] * batch_size
     generator.manual_seed(seed)
-    _guard_memory(run_target, warm * batch_size)
-    _guard_memory(run_spec, warm * batch_size)
+    pair.run_target(warm)
+    pair.run_spec(warm)
 
-    n_turns = max(len(p.turns) for p in prompts)
-    repeat_tallies = []
+    per_cat: dict[str, dict[str, Tally]] = defaultdict(lambda: {"target": Tally(), "spec": Tally()})
+    hf = {"assisted": Tally(), "generate": Tally()} if compare_hf else None
     greedy_matches: list[bool] = []
-    per_cat: dict[str, dict[str, _Tally]] = defaultdict(lambda: {"target": _Tally(), "spec": _Tally()})
-    hf = {"assisted": _Tally(), "generate": _Tally()}
-    total_steps = repeats * n_turns * len(_batches(prompts, batch_size))
-    bar = tqdm(total=total_steps, desc="eval", disable=not progress, unit="batch")
-    for rep in range(repeats):
-        tally = {"target": _Tally(), "spec": _Tally()}
-        answers: dict[int, list[dict]] = {i: [] for i in range(len(prompts))}  # conversation so far
-        for turn in range(n_turns):
-            todo = [p for p in range(len(prompts)) if len(prompts[p].turns) > turn]
-            wave = [prompts[i] for i in todo]
-            for batch in _batches(wave, batch_size):
-                indices = [todo[i] for i in batch]
-                ids = [encode(prompts[i], answers[i] + prompts[i].turns[turn]) for i in indices]
-                category = prompts[indices[0]].category
-                # Same seed for both decoders and every repeat: with sampling, the pair sees the same draws.
-                generator.manual_seed(seed + rep)
-                base_out, base_stats = _guard_memory(run_target, ids)
-                generator.manual_seed(seed + rep)
-                spec_out, spec_stats = _guard_memory(run_spec, ids)
-                for name, stats in (("target", base_stats), ("spec", spec_stats)):
-                    for t in (tally[name], per_cat[category][name]):
-                        t.tokens += stats.new_tokens
-                        t.seconds += stats.total_time
-                        t.stats.append(stats)
-                for row, i in enumerate(indices):
-                    if rep == 0 and sampling.greedy:
-                        greedy_matches.append(spec_out[row] == base_out[row])
-                    reply = tokenizer.decode(base_out[row], skip_special_tokens=True)
-                    answers[i] = answers[i] + prompts[i].turns[turn] + [{"role": "assistant", "content": reply}]
-                if compare_hf:
-                    for row in range(len(ids)):
-                        for name, assistant in (("generate", None), ("assisted", draft)):
-                            start = time.perf_counter()
-                            new = hf_generate(target, ids[row], max_new_tokens, sampling, eos_ids, assistant, gamma)
-                            hf[name].tokens += len(new)
-                            hf[name].seconds += time.perf_counter() - start
-                bar.update(1)
-                bar.set_postfix(speedup=f"{tally['spec'].tokens_per_s / max(tally['target'].tokens_per_s, 1e-9):.2f}")
-        repeat_tallies.append(tally)
-    bar.close()
-    report = _report(
-        repeat_tallies,
-        per_cat,
-        hf if compare_hf else None,
-        greedy_matches,
-        sampling,
-        gamma,
-        batch_size,
-        max_new_tokens,
-        repeats,
-        len(prompts),
+    n_turns = max(len(p.turns) for p in prompts)
+    total = repeats * n_turns * len(_batches(prompts, batch_size))
+    with tqdm(total=total, desc="eval", disable=not progress, unit="batch") as bar:
+        repeat_tallies = [
+            _run_repeat(pair, prompts, seed + rep, batch_size, per_cat, hf, greedy_matches if rep == 0 else None, bar)
+            for rep in range(repeats)
+        ]
+    report = report_from_repeats(repeat_tallies, per_cat, hf, greedy_matches, options.gamma)
+    report.update(
+        gamma=options.gamma,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        prompts=len(prompts),
+        temperature=options.sampling.temperature,
+        top_k=options.sampling.top_k,
+        top_p=options.sampling.top_p,
+        verify_widths={str(q): w for q, w in options.verify_widths.items()},
     )
-    report["verify_widths"] = {str(q): w for q, w in verify_widths.items()}
     return report
 
 
-def _guard_memory(fn, batch_ids: list[list[int]]):
-    """Call ``fn(batch_ids)``, turning an out-of-memory error into advice on the batch size."""
-    batch_size = len(batch_ids)
+def _run_repeat(
+    pair: _Pair,
+    prompts: list[Prompt],
+    seed: int,
+    batch_size: int,
+    per_cat: dict[str, dict[str, Tally]],
+    hf: dict[str, Tally] | None,
+    greedy_matches: list[bool] | None,
+    bar: tqdm,
+) -> dict[str, Tally]:
+    """One pass over every turn of every prompt, both decoders batch by batch; later turns see the
+    target's earlier answers. Returns this repeat's tallies; also adds to ``per_cat`` and ``hf``,
+    and appends to ``greedy_matches`` (when given, in greedy runs) whether each output is the target's."""
+    tally = {"target": Tally(), "spec": Tally()}
+    answers: dict[int, list[dict]] = {i: [] for i in range(len(prompts))}  # conversation so far
+    for turn in range(max(len(p.turns) for p in prompts)):
+        todo = [p for p in range(len(prompts)) if len(prompts[p].turns) > turn]
+        for batch in _batches([prompts[i] for i in todo], batch_size):
+            indices = [todo[i] for i in batch]
+            ids = [pair.encode(prompts[i], answers[i] + prompts[i].turns[turn]) for i in indices]
+            # Same seed for both decoders: with sampling, the pair sees the same draws.
+            pair.generator.manual_seed(seed)
+            base_out, base_stats = pair.run_target(ids)
+            pair.generator.manual_seed(seed)
+            spec_out, spec_stats = pair.run_spec(ids)
+            category = prompts[indices[0]].category
+            for name, stats in (("target", base_stats), ("spec", spec_stats)):
+                tally[name].add(stats)
+                per_cat[category][name].add(stats)
+            for row, i in enumerate(indices):
+                if greedy_matches is not None and pair.options.sampling.greedy:
+                    greedy_matches.append(spec_out[row] == base_out[row])
+                reply = pair.tokenizer.decode(base_out[row], skip_special_tokens=True)
+                answers[i] = answers[i] + prompts[i].turns[turn] + [{"role": "assistant", "content": reply}]
+            for row_ids in ids if hf is not None else []:
+                pair.time_hf(row_ids, hf)
+            bar.update(1)
+            bar.set_postfix(speedup=f"{tally['spec'].tokens_per_s / max(tally['target'].tokens_per_s, 1e-9):.2f}")
+    return tally
+
+
+def _guard_memory(run, batch_size: int):
+    """``run()``, turning an out-of-memory error into advice on the batch size."""
     try:
-        return fn(batch_ids)
+        return run()
     except torch.OutOfMemoryError as err:
         raise DraftsmithError(
             f"out of memory at batch size {batch_size}; try --batch-size {max(1, batch_size // 2)}"
         ) from err
 
 
-def _pair_metrics(target: _Tally, spec: _Tally, gamma: int) -> dict:
+def pair_metrics(target: Tally, spec: Tally, gamma: int) -> dict:
     """alpha, tau, c, v and both speedups from the stats of one set of runs."""
-    base, sp = _sum_stats(target.stats), _sum_stats(spec.stats)
+    base, sp = sum_stats(target.stats), sum_stats(spec.stats)
     alpha = sp.acceptance_rate
-    step = base.verify_time / base.rounds if base.rounds else float("nan")
-    draft_steps = sp.draft_forwards - len(spec.stats)  # prefill forwards excluded
-    c = (sp.draft_time / draft_steps) / step if draft_steps else float("nan")
-    v = (sp.verify_time / sp.rounds) / step if sp.rounds else float("nan")
+    c, v = step_costs(base, sp, calls=len(spec.stats))
     predicted = predicted_speedup(alpha, gamma, c, v) if alpha is not None else None
     speedup = spec.tokens_per_s / target.tokens_per_s if target.tokens_per_s else None
     return {
@@ -293,12 +365,18 @@ def _pair_metrics(target: _Tally, spec: _Tally, gamma: int) -> dict:
     }
 
 
-def _report(
-    repeat_tallies, per_cat, hf, greedy_matches, sampling, gamma, batch_size, max_new_tokens, repeats, n_prompts
+def report_from_repeats(
+    repeat_tallies: list[dict[str, Tally]],
+    per_cat: dict[str, dict[str, Tally]],
+    hf: dict[str, Tally] | None,
+    greedy_matches: list[bool],
+    gamma: int,
 ) -> dict:
-    per_repeat = [_pair_metrics(t["target"], t["spec"], gamma) for t in repeat_tallies]
+    """The overall figures (alpha, c, v, ... of the median repeat; speedup from the median tokens/s
+    of each decoder), greedy identity, and the figures per category."""
+    per_repeat = [pair_metrics(t["target"], t["spec"], gamma) for t in repeat_tallies]
     median_rep = sorted(range(len(per_repeat)), key=lambda i: per_repeat[i]["speedup"])[len(per_repeat) // 2]
-    report = dict(per_repeat[median_rep])  # alpha, c, v, ... from the median repeat
+    report = dict(per_repeat[median_rep])
     target_tps = statistics.median(r["target_tokens_per_s"] for r in per_repeat)
     spec_tps = statistics.median(r["spec_tokens_per_s"] for r in per_repeat)
     report.update(
@@ -309,21 +387,11 @@ def _report(
     )
     if report["predicted_speedup"]:
         report["efficiency"] = report["speedup"] / report["predicted_speedup"]
-    report["greedy_match"] = (sum(greedy_matches) / len(greedy_matches)) if sampling.greedy else None
-    report["per_category"] = {cat: _pair_metrics(t["target"], t["spec"], gamma) for cat, t in sorted(per_cat.items())}
+    report["greedy_match"] = sum(greedy_matches) / len(greedy_matches) if greedy_matches else None
+    report["per_category"] = {cat: pair_metrics(t["target"], t["spec"], gamma) for cat, t in sorted(per_cat.items())}
     if hf is not None:
         report["hf_generate_tokens_per_s"] = hf["generate"].tokens_per_s
         report["hf_assisted_tokens_per_s"] = hf["assisted"].tokens_per_s
-    report.update(
-        gamma=gamma,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        repeats=repeats,
-        prompts=n_prompts,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-    )
     return report
 
 

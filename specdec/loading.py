@@ -136,14 +136,26 @@ def cpu_has_native_bfloat16() -> bool:
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """``None``/``auto``: bfloat16 on CUDA and on CPUs with native bfloat16, float32 on other CPUs."""
+    """``None``/``auto``: bfloat16 on CUDA and on CPUs with native bfloat16, float32 on other CPUs.
+
+    bfloat16 asked for on a CPU without it is honoured with a note: the decoder then runs it on one
+    thread (``stream.decoding_threads``), where greedy output stays the target's, and it is slower
+    than float32 there.
+    """
     if name in (None, "auto"):
         if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bfloat16()):
             return torch.bfloat16
         return torch.float32
     if name not in _DTYPES:
         raise DraftsmithError(f"unknown dtype {name!r}; choose one of float32, bfloat16, float16")
-    return _DTYPES[name]
+    dtype = _DTYPES[name]
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bfloat16():
+        print(
+            "note: this CPU has no native bfloat16 (AVX512-BF16 or AMX), so bfloat16 is emulated; decoding runs "
+            "it on one thread, where greedy output stays the target's, and float32 is faster here",
+            file=sys.stderr,
+        )
+    return dtype
 
 
 def load_model(

@@ -139,3 +139,13 @@ def accept_sampled(
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row from (B, V) probabilities -> (B,)."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def choose_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """The next token per row from raw logits (B, V) -> (B,): the argmax when greedy, else a sample of
+    the processed distribution."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(process_logits(logits, params), generator)

@@ -7,6 +7,12 @@ import math
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from draftsmith.specdec.decoder import speculative_generate
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.self_spec import run_layers
 
 
 def tiny_llama(
@@ -40,6 +46,14 @@ def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaFor
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+    return draft
+
+
+def first_layers(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
+    """A copy of ``model`` keeping its first ``layers`` decoder layers (embeddings, norm and head copied)."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
     return draft
 
 
@@ -93,3 +107,143 @@ def save_tiny_pair(folder, vocab: int = 32, sharpness: float = 8.0, noise: float
         tiny_tokenizer(vocab).save_pretrained(path)
         paths.append(path)
     return paths
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Temperature, top-k and top-p in float64, written apart from the decoder's own processing:
+    (..., V) logits -> (..., V) probabilities.
+
+    top-k keeps the tokens scoring at least the k-th best; top-p keeps a token when the mass of the
+    tokens strictly more likely than it is below ``top_p`` (so the most likely token always stays).
+    """
+    scores = logits.double() / temperature
+    weights = (scores - scores.max(-1, keepdim=True).values).exp()
+    if top_k and top_k < scores.shape[-1]:
+        kth_best = scores.sort(-1, descending=True).values[..., top_k - 1 : top_k]
+        weights = torch.where(scores >= kth_best, weights, 0.0)
+    if top_p < 1.0:
+        probs = weights / weights.sum(-1, keepdim=True)
+        more_likely = probs[..., None, :] > probs[..., :, None]  # (..., V, V): [x, y] = p(y) > p(x)
+        mass_above = (probs[..., None, :] * more_likely).sum(-1)
+        weights = torch.where(mass_above < top_p, weights, 0.0)
+    return weights / weights.sum(-1, keepdim=True)
+
+
+@torch.no_grad()
+def target_conditionals(model, prompt: list[int], samples: torch.Tensor, params) -> torch.Tensor:
+    """p(x_t | prompt, x_<t) of ``model`` for every sampled sequence and position: samples (N, T) ->
+    (N, T, V) float64, processed by ``reference_probs`` with the temperature, top-k and top-p of ``params``."""
+    inputs = torch.cat([torch.tensor(prompt).expand(len(samples), -1), samples], 1)
+    logits = model(input_ids=inputs[:, :-1]).logits[:, len(prompt) - 1 :]  # row t predicts samples[:, t]
+    return reference_probs(logits, params.temperature, params.top_k, params.top_p)
+
+
+def fit_scores(samples: torch.Tensor, conditionals: torch.Tensor) -> dict[str, float]:
+    """Chi-square z-scores of sampled sequences against the model they should follow, per position.
+
+    samples (N, T) token ids; conditionals (N, T, V): each sequence's own p(x_t | x_<t) from the
+    reference model. If the sequences follow the model, the count of token v at position t is
+    centred on the sum of p(v | x_<t) over the sequences, so that sum is the expected count
+    (a martingale argument: every term has mean zero given its prefix); Pearson's statistic with it
+    is at most chi-square distributed. ``pos{t}`` tests x_t alone, ``pair{t}`` the pair
+    (x_{t-1}, x_t), whose expected count is the sum of p(x_t | x_<t) over sequences with that x_{t-1}.
+    """
+    n, positions, vocab = conditionals.shape
+    scores = {}
+    for t in range(positions):
+        counts = torch.bincount(samples[:, t], minlength=vocab)
+        scores[f"pos{t}"] = chi_square_z(counts, conditionals[:, t].sum(0) / n)
+        if t == 0:
+            continue
+        before = torch.nn.functional.one_hot(samples[:, t - 1], vocab).double()  # (N, V)
+        expected = before.T @ conditionals[:, t]  # (V, V): [u, v] = sum over x_{t-1} = u of p(v | prefix)
+        pairs = torch.bincount(samples[:, t - 1] * vocab + samples[:, t], minlength=vocab * vocab)
+        scores[f"pair{t}"] = chi_square_z(pairs, expected.flatten() / n)
+    return scores
+
+
+# Sampled fits decode these two prompts interleaved in one ragged batch, so the fit also holds per
+# sequence of a batch. Seven tokens: positions 0..6, so at gamma 3 the bonus token after a fully
+# accepted first round (position 4) and tokens of the round after it are inside the window.
+SAMPLING_PROMPTS = ([0, 4, 9], [0, 7, 7, 2, 5, 3])
+FIT_TOKENS = 7
+
+
+def sample_spec(target, draft, params, gamma: int, seed: int = 0, samples: int = 3000, **options):
+    """``samples`` speculative continuations of each of ``SAMPLING_PROMPTS``: (tokens (N, 7) of the
+    first prompt, of the second, stats). ``options``: more ``DecodeOptions`` fields."""
+    prompts = [SAMPLING_PROMPTS[i % 2] for i in range(2 * samples)]
+    generator = torch.Generator().manual_seed(seed)
+    out, stats = speculative_generate(
+        target,
+        draft,
+        prompts,
+        FIT_TOKENS,
+        options=DecodeOptions(gamma=gamma, sampling=params, **options),
+        generator=generator,
+    )
+    tokens = torch.tensor(out)
+    return tokens[0::2], tokens[1::2], stats
+
+
+def sampled_fit(target, params, per_prompt) -> dict[str, float]:
+    """``fit_scores`` of the samples of each prompt (``per_prompt``: one (N, T) tensor per prompt of
+    ``SAMPLING_PROMPTS``, in order), keyed ``p{i}/...``."""
+    scores = {}
+    for i, samples in enumerate(per_prompt):
+        conditionals = target_conditionals(target, SAMPLING_PROMPTS[i], samples, params)
+        scores |= {f"p{i}/{name}": z for name, z in fit_scores(samples, conditionals).items()}
+    return scores
+
+
+def assert_fits(target, params, *per_prompt) -> None:
+    """Every position and pair of every prompt fits the target (z < 4)."""
+    scores = sampled_fit(target, params, per_prompt)
+    assert max(scores.values()) < 4, scores
+
+
+class ExitHead(torch.nn.Module):
+    """A test early-exit draft (``specdec.self_spec.EarlyExit``) over a ``tiny_llama`` target: the
+    target's first ``k`` layers (run by the decoder), then optionally an adapter (a copy of layer k
+    writing its own cache layer, index L), the target's final norm and LM head."""
+
+    def __init__(self, target: LlamaForCausalLM, k: int, adapter: bool = True):
+        super().__init__()
+        layers = target.config.num_hidden_layers
+        object.__setattr__(self, "target", target)  # shared, not a submodule
+        self.k = k
+        self.config = copy.deepcopy(target.config)
+        self.config.num_hidden_layers = layers + 1
+        self.adapter = copy.deepcopy(target.model.layers[k]) if adapter else None
+        if adapter:
+            self.adapter.self_attn.layer_idx = layers
+        self.device, self.dtype = target.device, target.dtype
+
+    def exit_logits(self, hidden, position_ids, cache, *, attention_mask=None, logits_to_keep=0, with_head=True):
+        if self.adapter is not None:
+            mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+                layer_idx=self.adapter.self_attn.layer_idx,
+            )
+            rotary = self.target.model.rotary_emb(hidden, position_ids=position_ids)
+            hidden = self.adapter(
+                hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids, cache=cache
+            )
+        if not with_head:
+            return None
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return self.target.lm_head(self.target.model.norm(hidden))
+
+    def forward(self, input_ids, position_ids, cache=None, attention_mask=None, logits_to_keep=0, **kwargs):
+        """As a standalone causal LM (decoding without KV reuse)."""
+        embeds = self.target.model.embed_tokens(input_ids)
+        hidden = run_layers(self.target, embeds, position_ids, cache, range(0, self.k), attention_mask)
+        logits = self.exit_logits(
+            hidden, position_ids, cache, attention_mask=attention_mask, logits_to_keep=logits_to_keep
+        )
+        return CausalLMOutputWithPast(logits=logits)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.distill.draft_init import draft_decoder, load_draft
+from draftsmith.distill.draft_init import load_draft
 from draftsmith.distill.early_exit import is_early_exit
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
@@ -104,12 +104,11 @@ def measure(
         draft,
         tokenizer,
         prompts,
-        gammas,
-        temperature,
-        eos_token_ids(target, tokenizer),
-        max_new_tokens,
-        repeats,
-        seed,
-        progress,
-        decode=draft_decoder(draft),
+        gammas=gammas,
+        temperature=temperature,
+        eos_ids=eos_token_ids(target, tokenizer),
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        seed=seed,
+        progress=progress,
     )

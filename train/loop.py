@@ -26,13 +26,15 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from draftsmith.distill import data as ddata
-from draftsmith.distill.draft_init import count_parameters, draft_decoder, measure_cost_ratio
+from draftsmith.distill.draft_init import count_parameters
 from draftsmith.distill.losses import acceptance_probability, cross_entropy, token_losses
 from draftsmith.distill.on_policy import OnPolicyMixer, example_prompt
 from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.evaluate import measure_cost_ratio
 from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import eos_token_ids, resolve_device
 from draftsmith.specdec.prompts import read_prompts
+from draftsmith.specdec.timing import eval_mode
 from draftsmith.train import checkpoint, speedup
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, save_config
 from draftsmith.train.examples import TeacherLogits, build_examples, generation, loaders, teacher
@@ -327,21 +329,18 @@ def measure_speedup(run: Run) -> None:
         prompts_file = ddata.EVAL_PROMPTS if cfg.eval_prompts == "builtin" else cfg.eval_prompts
         prompts = read_prompts(prompts_file)[: cfg.eval_limit]
         model = in_dtype_of(run.accelerator.unwrap_model(run.draft), target)
-        was_training = model.training
-        model.eval()
-        result = speedup.measure_draft(
-            target,
-            model,
-            tokenizer,
-            prompts,
-            cfg.eval_gammas,
-            0.0,
-            eos_token_ids(target, tokenizer),
-            cfg.eval_max_new_tokens,
-            progress=False,
-            decode=draft_decoder(model),
-        )
-        model.train(was_training)
+        with eval_mode(model):
+            result = speedup.measure_draft(
+                target,
+                model,
+                tokenizer,
+                prompts,
+                gammas=cfg.eval_gammas,
+                temperature=0.0,
+                eos_ids=eos_token_ids(target, tokenizer),
+                max_new_tokens=cfg.eval_max_new_tokens,
+                progress=False,
+            )
         record = {
             "step": run.step,
             "speedup": result["speedup"],

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.specdec.decoder import speculative_generate
 from draftsmith.specdec.evaluate import alpha_from_tau, evaluate_pair, predicted_speedup
 from draftsmith.specdec.files import atomic_path, write_text
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt
 from draftsmith.specdec.sampling import SamplingParams
 
@@ -39,7 +39,6 @@ def measure_draft(
     repeats: int = 1,
     seed: int = 0,
     progress: bool = True,
-    decode=speculative_generate,
 ) -> dict:
     """The best gamma for one draft at one temperature, and alpha, tau, c, v and the speedup measured there."""
     base = 4 if 4 in gammas else sorted(gammas)[len(gammas) // 2]
@@ -51,9 +50,8 @@ def measure_draft(
             draft,
             tokenizer,
             prompts,
-            gamma=gamma,
+            options=DecodeOptions(gamma=gamma, sampling=sampling),
             max_new_tokens=max_new_tokens,
-            sampling=sampling,
             eos_ids=eos_ids,
             seed=seed,
             repeats=repeats,

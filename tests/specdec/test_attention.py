@@ -2,6 +2,8 @@
 
 The model has the default target's layer widths (hidden 576, MLP 1536): the one-row kernels of
 those shapes sum in another order than the multi-row ones, which a smaller toy model would not show.
+On a CPU that emulates bfloat16 the decoder runs 16-bit forwards on one thread
+(``stream.decoding_threads``), so the block test runs under the same setting.
 """
 
 import pytest
@@ -9,8 +11,10 @@ import torch
 
 from draftsmith.specdec.attention import EXACT, use_exact_attention
 from draftsmith.specdec.cache import make_cache
-from draftsmith.specdec.decoder import _Stream, speculative_generate, target_generate
-from tests.helpers import noisy_copy, tiny_llama
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.stream import ModelStream, decoding_threads
+from tests.helpers import ExitHead, noisy_copy, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -24,23 +28,23 @@ def _tokens(n: int, seed: int) -> torch.Tensor:
     return torch.randint(2, 1024, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
+def _all(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(tokens, dtype=torch.bool)
+
+
 def test_a_block_of_tokens_scores_exactly_as_single_token_steps(wide_pair):
     target, _ = wide_pair
     mismatches = 0
-    with torch.inference_mode():
+    with torch.inference_mode(), decoding_threads(target):
         for seed in range(6):
             tokens = _tokens(60 + 7 * seed, seed)
             prompt, block = tokens[:, :-5], tokens[:, -5:]
-            steps = _Stream(target, 1, 128, "slot", row_exact=True)
-            steps.forward(prompt, torch.ones_like(prompt, dtype=torch.bool))
-            single = torch.cat(
-                [steps.forward(block[:, i : i + 1], torch.ones(1, 1, dtype=torch.bool)) for i in range(5)], 1
-            )
-            together = _Stream(target, 1, 128, "slot", row_exact=True)
-            together.forward(prompt, torch.ones_like(prompt, dtype=torch.bool))
-            mismatches += int(
-                not torch.equal(single, together.forward(block, torch.ones_like(block, dtype=torch.bool)))
-            )
+            steps = ModelStream(target, 1, 128, "slot", row_exact=True)
+            steps.forward(prompt, _all(prompt))
+            single = torch.cat([steps.forward(block[:, i : i + 1], _all(block[:, :1])) for i in range(5)], 1)
+            together = ModelStream(target, 1, 128, "slot", row_exact=True)
+            together.forward(prompt, _all(prompt))
+            mismatches += int(not torch.equal(single, together.forward(block, _all(block))))
     assert target.config._attn_implementation == EXACT
     assert mismatches == 0
 
@@ -50,8 +54,9 @@ def test_bfloat16_greedy_speculative_output_is_the_targets(wide_pair):
     for seed, length in enumerate((5, 30, 70)):
         prompt = _tokens(length, 10 + seed)[0].tolist()
         want, _ = target_generate(target, [prompt], 80)
-        for gamma, widths in ((1, None), (3, None), (4, {2: 4, 3: 4, 4: 6, 5: 6})):
-            got, stats = speculative_generate(target, draft, [prompt], 80, gamma=gamma, verify_widths=widths)
+        for gamma, widths in ((1, {}), (3, {}), (4, {2: 4, 3: 4, 4: 6, 5: 6})):
+            options = DecodeOptions(gamma=gamma, verify_widths=widths)
+            got, stats = speculative_generate(target, draft, [prompt], 80, options=options)
             assert got == want, (seed, gamma, widths)
             assert 0 < stats.accepted < stats.proposed
 
@@ -73,15 +78,13 @@ def test_exact_attention_leaves_a_static_cache_to_sdpa_and_stays_correct():
 
 
 def test_bfloat16_self_speculative_output_is_the_targets(wide_pair):
-    from draftsmith.distill.early_exit import EarlyExitDraft
-    from draftsmith.specdec.self_spec import self_speculative_generate
-
     target, _ = wide_pair
-    draft = EarlyExitDraft(target, 3, adapter=False).eval()
+    draft = ExitHead(target, 3, adapter=False)
     for seed, length in enumerate((9, 50)):
         prompt = _tokens(length, 20 + seed)[0].tolist()
         want, _ = target_generate(target, [prompt], 60)
-        for gamma in (1, 3):
-            got, stats = self_speculative_generate(target, draft, [prompt], 60, gamma=gamma)
-            assert got == want, (seed, gamma)
+        for gamma, widths in ((1, {}), (3, {}), (3, {1: 2, 2: 4, 3: 4, 4: 6})):
+            options = DecodeOptions(gamma=gamma, verify_widths=widths)
+            got, stats = speculative_generate(target, draft, [prompt], 60, options=options)
+            assert got == want, (seed, gamma, widths)
             assert stats.accepted > 0

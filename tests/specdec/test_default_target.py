@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from draftsmith.distill.draft_init import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat
+from tests.helpers import first_layers
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +32,14 @@ def test_default_target_shape(default):
 
 def test_truncated_draft_greedy_is_identical(default):
     model, tokenizer, prompts = default
-    draft = truncate_target(model, 2)
+    draft = first_layers(model, 2)
     eos = eos_token_ids(model, tokenizer)
     ref = [target_generate(model, [p], 24, eos_ids=eos)[0][0] for p in prompts]
     for gamma in (2, 5):
-        out, stats = speculative_generate(model, draft, prompts, 24, gamma=gamma, eos_ids=eos)
+        out, stats = speculative_generate(model, draft, prompts, 24, options=DecodeOptions(gamma=gamma), eos_ids=eos)
         assert out == ref
         assert stats.proposed > 0
-    one, _ = speculative_generate(model, draft, prompts[:1], 24, gamma=4, eos_ids=eos)
+    one, _ = speculative_generate(model, draft, prompts[:1], 24, options=DecodeOptions(gamma=4), eos_ids=eos)
     assert one[0] == ref[0]
 
 
@@ -47,7 +48,7 @@ def test_target_as_its_own_draft(default):
     gamma, rounds = 4, 3
     n = 1 + rounds * (gamma + 1)
     ref = target_generate(model, prompts[:1], n)[0]
-    out, stats = speculative_generate(model, model, prompts[:1], n, gamma=gamma)
+    out, stats = speculative_generate(model, model, prompts[:1], n, options=DecodeOptions(gamma=gamma))
     assert out == ref
     assert stats.mean_accepted_tokens == gamma + 1
     assert stats.rounds == rounds

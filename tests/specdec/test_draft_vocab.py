@@ -6,9 +6,9 @@ import torch
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.draft_vocab import SubsetHeadDraft, load_ranking, rank_tokens, save_ranking
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams
-from tests.helpers import noisy_copy, tiny_llama
-from tests.specdec.test_decoder_sampling import V, assert_fits, sample_spec
+from tests.helpers import assert_fits, noisy_copy, sample_spec, tiny_llama
 
 
 def test_ranking_counts_learned_next_tokens_only(tmp_path):
@@ -46,13 +46,13 @@ def test_greedy_output_unchanged_with_a_cut_head():
     draft = SubsetHeadDraft(noisy_copy(target, 0.3), list(range(0, 64, 2)))
     prompt = [0, 5, 9, 33]
     want, _ = target_generate(target, [prompt], 40)
-    got, stats = speculative_generate(target, draft, [prompt], 40, gamma=3)
+    got, stats = speculative_generate(target, draft, [prompt], 40, options=DecodeOptions(gamma=3))
     assert got == want
     assert stats.accepted > 0
 
 
 def test_sampling_stays_exact_with_a_cut_head():
-    target = tiny_llama(vocab=V, sharpness=3.0, seed=0)
+    target = tiny_llama(vocab=12, sharpness=3.0, seed=0)
     draft = SubsetHeadDraft(noisy_copy(target, noise=0.5), [0, 1, 2, 3, 5, 8])
     params = SamplingParams(temperature=1.0)
     a, b, stats = sample_spec(target, draft, params, 3)

@@ -1,8 +1,10 @@
-"""The speedup model: per-position acceptance recovered from tokens per round."""
+"""The speedup model and the report: per-position acceptance recovered from tokens per round, cost
+ratios from the decoders' timings, medians over repeats."""
 
 import pytest
 
-from draftsmith.specdec.evaluate import alpha_from_tau, predicted_speedup
+from draftsmith.specdec.decoder import DecodeStats
+from draftsmith.specdec.evaluate import Tally, alpha_from_tau, predicted_speedup, report_from_repeats, step_costs
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 4, 8])
@@ -21,3 +23,43 @@ def test_alpha_from_tau_clamps_impossible_values_and_matches_the_ratio_at_gamma_
 def test_predicted_speedup_is_leviathans_formula_with_verification_cost():
     assert predicted_speedup(0.6, 3, 0.2, 1.0) == pytest.approx((1 - 0.6**4) / 0.4 / 1.6)
     assert predicted_speedup(1.0, 3, 0.2, 1.1) == pytest.approx(4 / 1.7)
+
+
+def _tally(tokens: int, seconds: float, **stats) -> Tally:
+    tally = Tally()
+    tally.add(DecodeStats(new_tokens=tokens, total_time=seconds, **stats))
+    return tally
+
+
+def test_report_takes_the_speedup_from_median_rates_and_the_rest_from_the_median_repeat():
+    # Target-only: single-token steps of 20 ms. Speculative: draft steps of 5 ms (c = 0.25) and
+    # verifications of 30 ms (v = 1.5); alpha 0.75 in the median repeat.
+    base = {"rounds": 99, "verify_time": 1.98}
+    repeats = [
+        {"target": _tally(100, 2.0, **base), "spec": _tally(100, 1.0, proposed=40, accepted=10)},  # 50, 100 t/s
+        {
+            "target": _tally(100, 2.5, **base),  # 40 t/s
+            "spec": _tally(
+                100, 1.0, proposed=40, accepted=30, draft_forwards=41, draft_time=0.2, rounds=20, verify_time=0.6
+            ),  # 100 t/s
+        },
+        {"target": _tally(120, 2.0, **base), "spec": _tally(150, 1.0, proposed=40, accepted=20)},  # 60, 150 t/s
+    ]
+    report = report_from_repeats(repeats, per_cat={}, hf=None, greedy_matches=[True, False, True, True], gamma=4)
+    assert report["target_tokens_per_s"] == pytest.approx(50.0)
+    assert report["spec_tokens_per_s"] == pytest.approx(100.0)
+    assert report["speedup"] == pytest.approx(2.0)  # median 100 / median 50, not the median ratio 2.5
+    assert report["speedup_per_repeat"] == pytest.approx([2.0, 2.5, 2.5])
+    assert report["acceptance_rate"] == pytest.approx(0.75)  # repeat 2 of 3 by speedup
+    assert report["cost_ratio_c"] == pytest.approx(0.25)
+    assert report["verify_ratio_v"] == pytest.approx(1.5)
+    assert report["predicted_speedup"] == pytest.approx(0.7626953125 / 0.625)  # (1 - .75^5) / (.25 (4 .25 + 1.5))
+    assert report["efficiency"] == pytest.approx(2.0 * 0.625 / 0.7626953125)
+    assert report["greedy_match"] == 0.75
+    assert report["per_category"] == {}
+
+
+def test_step_costs_leave_out_each_calls_draft_prefill():
+    baseline = DecodeStats(rounds=10, verify_time=0.5)  # 50 ms per target step
+    spec = DecodeStats(draft_forwards=3 + 12, draft_time=0.12, rounds=4, verify_time=0.4)  # three calls
+    assert step_costs(baseline, spec, calls=3) == pytest.approx((0.2, 2.0))

@@ -1,4 +1,4 @@
-"""The acceptance rule and logit processing as pure functions (SPEC.md section 6)."""
+"""The acceptance rule and logit processing as pure functions."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from draftsmith.specdec.sampling import (
     process_logits,
     residual_distribution,
 )
-from tests.helpers import chi_square_z
+from tests.helpers import chi_square_z, reference_probs
 
 
 def random_dist(shape, gen, sparsity=0.0):
@@ -54,6 +54,21 @@ def test_process_logits_temperature_topk_topp():
     # top-p smaller than the top token's mass still keeps that token
     tiny = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.01))
     assert tiny.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(1.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.8), SamplingParams(0.5, 3, 0.6)],
+    ids=["t1", "t0.7-k5", "t1.3-p0.8", "t0.5-k3-p0.6"],
+)
+def test_process_logits_agrees_with_the_tests_float64_reference(params):
+    logits = torch.randn(500, 30, generator=torch.Generator().manual_seed(0)) * 3
+    torch.testing.assert_close(
+        process_logits(logits, params).double(),
+        reference_probs(logits, params.temperature, params.top_k, params.top_p),
+        rtol=0,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize(
@@ -126,14 +141,16 @@ def test_sampled_identical_distributions_accept_everything_and_take_bonus():
 
 
 def first_token_counts(accept, p_logits, q_logits, params, n, gen, raw_q=False):
-    """Draft d ~ q (processed), run ``accept``, count the first emitted token over n trials."""
+    """Draft d ~ q (processed), run ``accept``, count the first emitted token over n trials; also
+    return the reference p (``reference_probs``, not the decoder's processing)."""
     q = process_logits(q_logits, params).expand(n, -1)
     p = process_logits(p_logits, params).expand(n, -1)
     d = torch.multinomial(q, 1, generator=gen)  # (n, 1)
     q_given = q_logits.float().softmax(-1).expand(n, -1) if raw_q else q
     n_acc, nxt = accept(d, q_given[:, None], torch.stack([p, p], 1), torch.ones(n, dtype=torch.long), gen)
     first = torch.where(n_acc > 0, d[:, 0], nxt)
-    return torch.bincount(first, minlength=p.shape[-1]), p[0]
+    reference = reference_probs(p_logits[0], params.temperature, params.top_k, params.top_p)
+    return torch.bincount(first, minlength=p.shape[-1]), reference
 
 
 def always_accept(d, q, p, n_proposed, gen):

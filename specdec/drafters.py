@@ -1,0 +1,151 @@
+"""Drafters: what proposes the tokens of a round of speculative decoding.
+
+A drafter keeps its own state across rounds (a KV cache) and answers four calls of the round loop
+(``decoder.speculative_generate``):
+
+- ``prefill(tokens, valid)`` reads the prompts; returns what the target can reuse of that work
+  (the hidden states of a draft made of the target's first layers), or None;
+- ``propose(sequences, budget, options, generator)`` drafts up to ``budget[b]`` tokens for each
+  sequence, with the distributions ``q`` they were drawn from (a ``Proposal``);
+- ``rollback(keep)`` forgets all but the first ``keep[b]`` tokens of each sequence;
+- ``select(rows)`` keeps only those batch rows (finished sequences leave the batch).
+
+Two implement it: ``LMDrafter`` (a standalone causal LM with its own cache, here) and
+``self_spec.SharedLayersDrafter`` (the target's first layers plus an exit head, sharing the
+target's cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.sampling import process_logits, sample
+from draftsmith.specdec.stream import ModelStream
+
+
+@dataclass
+class Proposal:
+    """The draft tokens of one round and what the acceptance rule needs to know about them."""
+
+    tokens: torch.Tensor  # (B, G) drafted tokens; a row's entries after counts[b] are not proposed
+    probs: torch.Tensor | None  # (B, G, V) processed q each token was drawn from; None: argmax (q one-hot)
+    counts: torch.Tensor  # (B,) tokens proposed per sequence, <= G
+    # (B, G+1, H): hidden states of the verification inputs [x_n, d_1 .. d_G] after the layers the
+    # draft shares with the target, when it does (the target starts from them); else None.
+    reusable: torch.Tensor | None = None
+
+    @property
+    def steps(self) -> int:
+        """Draft forwards the round took (one per drafted position)."""
+        return self.tokens.shape[1]
+
+
+class Drafter(Protocol):
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None: ...
+
+    def propose(
+        self,
+        sequences: list[list[int]],
+        budget: torch.Tensor,
+        options: DecodeOptions,
+        generator: torch.Generator | None,
+    ) -> Proposal: ...
+
+    def rollback(self, keep: torch.Tensor) -> None: ...
+
+    def select(self, rows: torch.Tensor) -> None: ...
+
+
+def draft_step(
+    logits: torch.Tensor, options: DecodeOptions, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One draft token from draft logits (B, V): (token (B,), q (B, V) or None, confident (B,) or None).
+
+    q is the processed distribution the token was drawn from, None when the draft took its argmax
+    (q is then one-hot). ``confident`` is whether ``max q`` reaches the confidence threshold.
+    """
+    sampling = options.sampling
+    if sampling.greedy or options.draft_greedy:
+        token, q = logits.argmax(-1), None
+    else:
+        q = process_logits(logits, sampling)
+        token = sample(q, generator)
+    if options.confidence_threshold is None:
+        return token, q, None
+    judged = q
+    if judged is None:  # confidence is judged on the processed distribution, as when sampling
+        judged = logits.float().softmax(-1) if sampling.greedy else process_logits(logits, sampling)
+    return token, q, judged.max(-1).values >= options.confidence_threshold
+
+
+def stack_proposal(drafted: list[torch.Tensor], probs: list[torch.Tensor], counts: torch.Tensor) -> Proposal:
+    """A ``Proposal`` from per-step tokens (B,) and q (B, V) (empty when drafted greedily)."""
+    empty = torch.zeros(len(counts), 0, dtype=torch.long, device=counts.device)
+    tokens = torch.stack(drafted, 1) if drafted else empty
+    return Proposal(tokens=tokens, probs=torch.stack(probs, 1) if probs else None, counts=counts)
+
+
+class LMDrafter:
+    """A standalone causal LM as drafter, on its own cache (a ``ModelStream``).
+
+    The draft's cache lags behind the committed tokens: by one (x_n) after a round with a
+    rejection, by two after a fully accepted round (it never read d_gamma). Each round starts by
+    feeding it what it has not read.
+    """
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, capacity: int, cache_kind: str):
+        self.stream = ModelStream(model, batch_size, capacity, cache_kind)
+
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+        self.stream.forward(tokens, valid, logits_to_keep=1)
+
+    def propose(
+        self,
+        sequences: list[list[int]],
+        budget: torch.Tensor,
+        options: DecodeOptions,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        """Up to ``budget[b]`` tokens per sequence, one draft forward per token. Sequences that stop
+        early (budget, dynamic gamma) feed padding, so that the batch stays dense."""
+        step_in, step_valid = self._unread(sequences, budget)
+        active = budget > 0
+        counts = torch.zeros_like(budget)
+        drafted: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for i in range(int(budget.max())):
+            logits = self.stream.forward(step_in, step_valid, logits_to_keep=1)[:, -1]  # (B, V)
+            token, q, confident = draft_step(logits, options, generator)
+            drafted.append(token)
+            if q is not None:
+                probs.append(q)
+            counts += active.long()
+            if confident is not None:
+                active &= confident
+            active &= budget > i + 1
+            if not bool(active.any()):
+                break
+            # The last drafted token is fed only if another one is to be drafted after it.
+            step_in, step_valid = token[:, None], active[:, None]
+        return stack_proposal(drafted, probs, counts)
+
+    def _unread(self, sequences: list[list[int]], budget: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed tokens the cache has not read, left-padded (B, W), and their validity (B, W)."""
+        pending = [seq[length:] for seq, length in zip(sequences, self.stream.lengths, strict=True)]
+        width = max(len(p) for p in pending)
+        tokens = torch.zeros(len(pending), width, dtype=torch.long)
+        valid = torch.zeros(len(pending), width, dtype=torch.bool)
+        for row, (unread, allowed) in enumerate(zip(pending, budget.tolist(), strict=True)):
+            tokens[row, width - len(unread) :] = torch.tensor(unread)
+            valid[row, width - len(unread) :] = allowed > 0  # a sequence with nothing to draft reads nothing
+        return tokens.to(budget.device), valid.to(budget.device)
+
+    def rollback(self, keep: torch.Tensor) -> None:
+        self.stream.rollback(keep)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.stream.select(rows)

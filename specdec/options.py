@@ -1,0 +1,47 @@
+"""How the speculative decoder decodes: one options object, checked once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from draftsmith.specdec.cache import CACHE_KINDS
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Settings of one speculative decoding run (``decoder.speculative_generate``).
+
+    gamma: draft tokens per round, at most.
+    sampling: temperature, top-k and top-p, applied alike to the target's and the draft's logits.
+    draft_greedy: the draft proposes its argmax (q one-hot) even when sampling.
+    confidence_threshold: dynamic gamma; a sequence stops drafting in a round after a token whose
+        draft probability ``max q`` is below it (in [0, 1]; None drafts gamma tokens).
+    cache_kind: ``slot``, ``dynamic`` or ``static``; None picks the device's default.
+    verify_widths: run a verification over q tokens as one over ``verify_widths[q] >= q`` tokens,
+        the extra inputs padding after the real ones (some CPU BLAS libraries are slower for 2-3
+        rows than for 4; ``verify.tune_verify_widths`` measures it). Exact either way.
+    kv_reuse: a draft made of the target's first layers (``self_spec.EarlyExit``) shares the
+        target's cache, and verification runs only the target's remaining layers.
+    """
+
+    gamma: int = 4
+    sampling: SamplingParams = SamplingParams()
+    draft_greedy: bool = False
+    confidence_threshold: float | None = None
+    cache_kind: str | None = None
+    verify_widths: Mapping[int, int] = field(default_factory=dict)
+    kv_reuse: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise DraftsmithError(f"gamma must be an integer >= 1, got {self.gamma!r}")
+        if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
+            raise DraftsmithError(f"confidence threshold must be in [0, 1], got {self.confidence_threshold}")
+        if self.cache_kind is not None and self.cache_kind not in CACHE_KINDS:
+            raise DraftsmithError(f"unknown cache kind {self.cache_kind!r}; choose one of {', '.join(CACHE_KINDS)}")
+        for tokens, width in self.verify_widths.items():
+            if not 1 <= tokens <= width:
+                raise DraftsmithError(f"verify widths map q >= 1 tokens to a width >= q, got {tokens}: {width}")

@@ -1,0 +1,120 @@
+"""Verification and acceptance: the target scores a round's draft tokens in one forward, and the
+acceptance rule keeps a prefix of them (``sampling.accept_greedy`` / ``sampling.accept_sampled``).
+
+A verifier keeps the target's state across rounds and answers the round loop
+(``decoder.speculative_generate``): ``prefill(tokens, valid, reusable)`` gives the logits after
+each prompt, ``verify(inputs, valid, reusable)`` the logits (B, Q, V) of a verification forward over
+``[x_n, d_1 .. d_g]``, and ``rollback`` / ``select`` as a drafter's. ``reusable`` is what the
+draft computed that the target can start from (``drafters.Proposal.reusable``), or None.
+Two implement it: ``TargetVerifier`` (the whole target on its own cache, here) and
+``self_spec.UpperLayersVerifier`` (the target's layers above those the draft shares).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from draftsmith.specdec.cache import default_cache_kind
+from draftsmith.specdec.drafters import Proposal
+from draftsmith.specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits
+from draftsmith.specdec.stream import ModelStream, decoding_threads
+from draftsmith.specdec.timing import Clock
+
+
+class Verifier(Protocol):
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, reusable: torch.Tensor | None) -> torch.Tensor: ...
+
+    def verify(self, inputs: torch.Tensor, valid: torch.Tensor, reusable: torch.Tensor | None) -> torch.Tensor: ...
+
+    def rollback(self, keep: torch.Tensor) -> None: ...
+
+    def select(self, rows: torch.Tensor) -> None: ...
+
+
+def verification_inputs(last: torch.Tensor, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[x_n, d_1 .. d_G]`` (B, G+1) from the last committed tokens (B,), and which are real (B, G+1)."""
+    inputs = torch.cat([last[:, None], proposal.tokens], 1)
+    valid = torch.arange(inputs.shape[1], device=inputs.device)[None, :] <= proposal.counts[:, None]
+    return inputs, valid
+
+
+class TargetVerifier:
+    """The whole target on its own cache. ``widths``: run a verification over q inputs as one over
+    ``widths[q]`` (``DecodeOptions.verify_widths``); the padding sits after the real inputs, where
+    no real query attends to it, and the next rollback drops it."""
+
+    def __init__(
+        self, target: PreTrainedModel, batch_size: int, capacity: int, cache_kind: str, widths: Mapping[int, int]
+    ):
+        self.stream = ModelStream(target, batch_size, capacity, cache_kind, row_exact=True)
+        self.widths = widths
+
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, reusable: None = None) -> torch.Tensor:
+        """Logits after each prompt (B, V)."""
+        return self.stream.forward(tokens, valid, logits_to_keep=1)[:, -1]
+
+    def verify(self, inputs: torch.Tensor, valid: torch.Tensor, reusable: None = None) -> torch.Tensor:
+        """Logits (B, Q, V) of the target over ``inputs`` (B, Q) on top of its cache."""
+        q = inputs.shape[1]
+        pad = self.widths.get(q, q) - q
+        padded_valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+        return self.stream.forward(torch.nn.functional.pad(inputs, (0, pad)), padded_valid)[:, :q]
+
+    def rollback(self, keep: torch.Tensor) -> None:
+        self.stream.rollback(keep)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.stream.select(rows)
+
+
+def accept(
+    proposal: Proposal, target_logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_accepted (B,), next token (B,)) by the greedy or the sampling rule; target_logits (B, G+1, V).
+
+    The next token is the target's correction at the first rejection, or the bonus token after a
+    fully accepted proposal.
+    """
+    if sampling.greedy:
+        return accept_greedy(proposal.tokens, target_logits, proposal.counts)
+    target_probs = process_logits(target_logits, sampling)
+    return accept_sampled(proposal.tokens, proposal.probs, target_probs, proposal.counts, generator)
+
+
+def choose_verify_widths(cost: Mapping[int, float], max_tokens: int) -> dict[int, int]:
+    """For each verification size q <= max_tokens, the cheapest width w >= q among those timed in
+    ``cost`` (seconds per forward of w tokens), where it saves at least 10 %; sizes where padding
+    does not pay are left out (the decoder then runs q as is)."""
+    widths = {}
+    for q in range(1, max_tokens + 1):
+        best = min((w for w in cost if w >= q), key=cost.__getitem__)
+        if cost[best] < 0.9 * cost[q]:
+            widths[q] = best
+    return widths
+
+
+@torch.inference_mode()
+def tune_verify_widths(model: PreTrainedModel, max_tokens: int, context: int = 128, reps: int = 5) -> dict[int, int]:
+    """Verification widths for ``model`` on this machine (``choose_verify_widths``): every width up to
+    ``max_tokens + 4`` timed on a ``context``-token cache, the median of ``reps`` forwards."""
+    device = model.device
+    clock = Clock(device)
+    stream = ModelStream(model, 1, context + max_tokens + 8, default_cache_kind(device))
+    prompt = torch.arange(1, context + 1, device=device)[None] % model.config.vocab_size
+    cost = {}
+    with decoding_threads(model):
+        stream.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), logits_to_keep=1)
+        for width in range(1, max_tokens + 5):
+            x = torch.ones(1, width, dtype=torch.long, device=device)
+            times = []
+            for _ in range(reps):
+                clock.lap()
+                stream.forward(x, torch.ones_like(x, dtype=torch.bool))
+                times.append(clock.lap())
+                stream.rollback(torch.tensor([context], device=device))
+            cost[width] = sorted(times)[reps // 2]
+    return choose_verify_widths(cost, max_tokens)
