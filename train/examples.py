@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill import data as ddata
@@ -88,15 +88,38 @@ def target_answers(
     )
 
 
+class EpochSampler(Sampler[int]):
+    """A shuffle whose order is a function of (seed, epoch) alone, so a resumed run sees the same data order.
+
+    Epoch e is the (e+1)-th ``randperm`` of a generator seeded with ``seed``: the order a
+    ``RandomSampler`` with that generator gives an uninterrupted run, without carrying the
+    generator's state across epochs (a resumed process starts from a fresh one).
+    """
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.epoch):
+            torch.randperm(self.size, generator=generator)
+        yield from torch.randperm(self.size, generator=generator).tolist()
+
+
 def loaders(cfg: DistillConfig, train_examples: list[dict], heldout: list[dict], pad: int) -> tuple[DataLoader, ...]:
-    """(training loader, shuffled with the run's seed; held-out loader)."""
+    """(training loader, shuffled per epoch with the run's seed; held-out loader)."""
     train_loader = DataLoader(
         train_examples,
         batch_size=cfg.batch_size,
-        shuffle=True,
+        sampler=EpochSampler(len(train_examples), cfg.seed),
         drop_last=False,
         collate_fn=lambda b: ddata.collate(b, pad),
-        generator=torch.Generator().manual_seed(cfg.seed),
     )
     held_loader = DataLoader(heldout, batch_size=cfg.batch_size, collate_fn=lambda b: ddata.collate(b, pad))
     return train_loader, held_loader
