@@ -12,13 +12,15 @@ per-repeat ratios. Run: .venv/bin/python benchmarks/decoder_vs_hf.py [--repeats 
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 from common import default_target, median, prompt_ids, save, timed
 
 from draftsmith.distill.draft_init import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
-from draftsmith.specdec.evaluate import hf_generate, predicted_speedup, step_costs, sum_stats
+from draftsmith.specdec.evaluate import predicted_speedup, step_costs, sum_stats
+from draftsmith.specdec.hf_compare import configure_assistant, hf_generate
 from draftsmith.specdec.loading import resolve_dtype
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams
@@ -38,13 +40,17 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     target, tokenizer, eos = default_target(dtype=dtype)
     draft = truncate_target(target, 2)
+    # transformers runs on stock copies made before the bundled decoder switches its models' attention,
+    # its assistant set to draft exactly gamma tokens per round.
+    hf_target, hf_draft = copy.deepcopy(target), copy.deepcopy(draft)
+    configure_assistant(hf_draft.generation_config, args.gamma)
     prompts = prompt_ids(tokenizer, args.prompts)
     gamma, n = args.gamma, args.max_new_tokens
     options = DecodeOptions(gamma=gamma)
     n_self = 1 + ((n - 1) // (gamma + 1)) * (gamma + 1)  # whole rounds only, so tau is exact
 
     # Warm-up.
-    hf_generate(target, prompts[0], 8, sampling=GREEDY, eos_ids=eos, assistant=None, gamma=gamma)
+    hf_generate(hf_target, prompts[0], 8, sampling=GREEDY, eos_ids=eos)
     target_generate(target, prompts[:1], 8, eos_ids=eos)
     speculative_generate(target, draft, prompts[:1], 8, options=options, eos_ids=eos)
 
@@ -55,16 +61,14 @@ def main() -> None:
         tok = {k: 0 for k in t}
         self_stats, self_base_stats = [], []
         for ids in prompts:
-            hf_out, dt = timed(hf_generate, target, ids, n, sampling=GREEDY, eos_ids=eos, assistant=None, gamma=gamma)
+            hf_out, dt = timed(hf_generate, hf_target, ids, n, sampling=GREEDY, eos_ids=eos)
             t["hf"] += dt
             tok["hf"] += len(hf_out)
             (base_out, _), dt = timed(target_generate, target, [ids], n, eos_ids=eos)
             t["base"] += dt
             tok["base"] += len(base_out[0])
             same_as_hf.append(base_out[0] == hf_out)
-            assisted_out, dt = timed(
-                hf_generate, target, ids, n, sampling=GREEDY, eos_ids=eos, assistant=draft, gamma=gamma
-            )
+            assisted_out, dt = timed(hf_generate, hf_target, ids, n, sampling=GREEDY, eos_ids=eos, assistant=hf_draft)
             t["assisted"] += dt
             tok["assisted"] += len(assisted_out)
             (spec_out, _), dt = timed(speculative_generate, target, draft, [ids], n, options=options, eos_ids=eos)

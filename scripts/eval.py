@@ -14,7 +14,7 @@ from draftsmith.options import GAMMA, device_options, draft_vocab_option, progre
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import CACHE_KINDS
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.evaluate import evaluate_pair, format_table
+from draftsmith.specdec.evaluate import HFComparison, evaluate_pair, format_table
 from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import (
     DEFAULT_TARGET,
@@ -108,6 +108,15 @@ def _cut_head(args, draft, early_exit: bool, eos: frozenset[int]):
     return draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(source, args.draft_vocab), eos)
 
 
+def _stock_pair(args, device: torch.device, dtype: torch.dtype) -> HFComparison:
+    """Fresh copies of the target and the draft as transformers loads them, for ``--compare-hf``
+    (the bundled decoder switches the models it runs to row-exact attention)."""
+    target = load_model(args.target, device, dtype)
+    if args.draft.startswith("truncate:"):
+        return HFComparison(target, load_draft(args.draft, target, device, dtype))
+    return HFComparison(target, load_model(args.target if args.draft == "self" else args.draft, device, dtype))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = DecodeOptions(
@@ -139,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if early_exit and args.compare_hf:
         raise DraftsmithError("--compare-hf needs a standalone draft; an early-exit draft shares the target's layers")
     kv_reuse = early_exit and not args.no_kv_reuse
+    # transformers is timed on models as transformers loads them, apart from the ones our decoder runs.
+    compare_hf = _stock_pair(args, device, dtype) if args.compare_hf else None
     if args.draft_vocab:
         draft = _cut_head(args, draft, early_exit, eos_token_ids(target, tokenizer))
 
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         repeats=args.repeats,
         batch_size=args.batch_size,
-        compare_hf=args.compare_hf,
+        compare_hf=compare_hf,
         progress=not args.no_progress,
     )
     if early_exit:

@@ -13,6 +13,7 @@ c on its own, for a draft that is not being evaluated (during training).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -26,9 +27,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.decoder import DecodeStats, speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.hf_compare import AssistedRounds, Round, configure_assistant, hf_generate
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt, check_length, encode_chat
-from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.timing import eval_mode
 from draftsmith.specdec.verify import tune_verify_widths
 
@@ -131,35 +132,6 @@ def _batches(prompts: list[Prompt], batch_size: int) -> list[list[int]]:
     return batches
 
 
-def hf_generate(
-    target: PreTrainedModel,
-    ids: list[int],
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    eos_ids: frozenset[int],
-    assistant: PreTrainedModel | None,
-    gamma: int,
-) -> list[int]:
-    """Run ``transformers`` ``generate`` (assisted when ``assistant`` is given); return the new tokens."""
-    kwargs: dict = {
-        "max_new_tokens": max_new_tokens,
-        "eos_token_id": sorted(eos_ids),
-        "pad_token_id": sorted(eos_ids)[0],
-    }
-    if sampling.greedy:
-        kwargs["do_sample"] = False
-    else:
-        kwargs.update(
-            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p
-        )
-    if assistant is not None:
-        kwargs.update(assistant_model=assistant, num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant")
-    x = torch.tensor([ids], device=target.device)
-    with torch.inference_mode():
-        out = target.generate(x, attention_mask=torch.ones_like(x), **kwargs)
-    return out[0, len(ids) :].tolist()
-
-
 @dataclass
 class _Pair:
     """The pair under measurement and the settings both decoders share."""
@@ -205,21 +177,50 @@ class _Pair:
             len(batch_ids),
         )
 
-    def time_hf(self, ids: list[int], hf: dict[str, Tally]) -> None:
-        """``transformers`` generate and assisted generation on one prompt, into ``hf``."""
-        for name, assistant in (("generate", None), ("assisted", self.draft)):
+    def time_hf(self, ids: list[int], hf: HFComparison) -> None:
+        """``transformers`` generate and assisted generation on one prompt, on the stock copies in ``hf``."""
+        for name, assistant in (("generate", None), ("assisted", hf.assistant)):
+            rounds = AssistedRounds(hf.target, hf.assistant, len(ids) + self.max_new_tokens, self.eos_ids)
             start = time.perf_counter()
-            new = hf_generate(
-                self.target,
-                ids,
-                self.max_new_tokens,
-                sampling=self.options.sampling,
-                eos_ids=self.eos_ids,
-                assistant=assistant,
-                gamma=self.options.gamma,
-            )
-            hf[name].tokens += len(new)
-            hf[name].seconds += time.perf_counter() - start
+            with rounds if assistant is not None else contextlib.nullcontext():
+                new = hf_generate(
+                    hf.target,
+                    ids,
+                    self.max_new_tokens,
+                    sampling=self.options.sampling,
+                    eos_ids=self.eos_ids,
+                    assistant=assistant,
+                )
+            hf.tallies[name].tokens += len(new)
+            hf.tallies[name].seconds += time.perf_counter() - start
+            if assistant is not None:
+                rounds.check(self.options.gamma)
+                hf.rounds += rounds.rounds
+
+
+@dataclass
+class HFComparison:
+    """Stock ``transformers`` copies of the pair (loaded apart from the models the bundled decoder
+    runs, which it switches to row-exact attention) and what was timed on them."""
+
+    target: PreTrainedModel
+    assistant: PreTrainedModel
+    tallies: dict[str, Tally] = field(default_factory=lambda: {"generate": Tally(), "assisted": Tally()})
+    rounds: list[Round] = field(default_factory=list)
+
+    def report(self, gamma: int) -> dict:
+        """tokens/s of both, and the assistant's drafted tokens per round that had room for ``gamma``."""
+        full = [r.drafted for r in self.rounds if r.room >= gamma and not r.ended_with_eos]
+        histogram: dict[str, int] = defaultdict(int)
+        for r in self.rounds:
+            histogram[str(r.drafted)] += 1
+        return {
+            "hf_generate_tokens_per_s": self.tallies["generate"].tokens_per_s,
+            "hf_assisted_tokens_per_s": self.tallies["assisted"].tokens_per_s,
+            "hf_assisted_rounds": len(self.rounds),
+            "hf_drafted_per_round": sum(full) / len(full) if full else None,
+            "hf_drafted_histogram": dict(sorted(histogram.items())),
+        }
 
 
 def evaluate_pair(
@@ -234,13 +235,15 @@ def evaluate_pair(
     seed: int = 0,
     repeats: int = 3,
     batch_size: int = 1,
-    compare_hf: bool = False,
+    compare_hf: HFComparison | None = None,
     progress: bool = True,
     tune_verify: bool = True,
 ) -> dict:
     """Run the baseline and the speculative decoder side by side; return the report as a dict.
 
-    options: how the speculative decoder decodes (its sampling is the baseline's too). tune_verify:
+    options: how the speculative decoder decodes (its sampling is the baseline's too). compare_hf:
+    stock copies of the pair to time ``transformers`` on too; the assistant's generation config is set
+    to draft ``options.gamma`` tokens per round (``configure_assistant``), and the rounds are checked. tune_verify:
     at batch size 1 and without widths in ``options``, pad verification passes to the widths
     ``verify.tune_verify_widths`` finds faster on this machine.
     """
@@ -248,7 +251,7 @@ def evaluate_pair(
         raise DraftsmithError(f"batch size must be >= 1, got {batch_size}")
     if repeats < 1:
         raise DraftsmithError(f"repeats must be >= 1, got {repeats}")
-    if compare_hf and batch_size != 1:
+    if compare_hf is not None and batch_size != 1:
         raise DraftsmithError("--compare-hf needs --batch-size 1: transformers' assisted generation takes one sequence")
     if tune_verify and batch_size == 1 and not options.verify_widths:
         options = dataclasses.replace(options, verify_widths=tune_verify_widths(target, options.gamma + 1))
@@ -262,7 +265,10 @@ def evaluate_pair(
     pair.run_spec(warm)
 
     per_cat: dict[str, dict[str, Tally]] = defaultdict(lambda: {"target": Tally(), "spec": Tally()})
-    hf = {"assisted": Tally(), "generate": Tally()} if compare_hf else None
+    hf = compare_hf
+    if hf is not None:
+        configure_assistant(hf.assistant.generation_config, options.gamma)
+        pair.time_hf(warm[0], HFComparison(hf.target, hf.assistant))  # warm-up, not counted
     greedy_matches: list[bool] = []
     n_turns = max(len(p.turns) for p in prompts)
     total = repeats * n_turns * len(_batches(prompts, batch_size))
@@ -292,7 +298,7 @@ def _run_repeat(
     seed: int,
     batch_size: int,
     per_cat: dict[str, dict[str, Tally]],
-    hf: dict[str, Tally] | None,
+    hf: HFComparison | None,
     greedy_matches: list[bool] | None,
     bar: tqdm,
 ) -> dict[str, Tally]:
@@ -368,7 +374,7 @@ def pair_metrics(target: Tally, spec: Tally, gamma: int) -> dict:
 def report_from_repeats(
     repeat_tallies: list[dict[str, Tally]],
     per_cat: dict[str, dict[str, Tally]],
-    hf: dict[str, Tally] | None,
+    hf: HFComparison | None,
     greedy_matches: list[bool],
     gamma: int,
 ) -> dict:
@@ -390,8 +396,7 @@ def report_from_repeats(
     report["greedy_match"] = sum(greedy_matches) / len(greedy_matches) if greedy_matches else None
     report["per_category"] = {cat: pair_metrics(t["target"], t["spec"], gamma) for cat, t in sorted(per_cat.items())}
     if hf is not None:
-        report["hf_generate_tokens_per_s"] = hf["generate"].tokens_per_s
-        report["hf_assisted_tokens_per_s"] = hf["assisted"].tokens_per_s
+        report.update(hf.report(gamma))
     return report
 
 
@@ -423,6 +428,8 @@ def format_table(report: dict) -> str:
     if "hf_generate_tokens_per_s" in report:
         lines.append(
             f"transformers generate: {report['hf_generate_tokens_per_s']:.1f} t/s, "
-            f"assisted generation: {report['hf_assisted_tokens_per_s']:.1f} t/s"
+            f"assisted generation: {report['hf_assisted_tokens_per_s']:.1f} t/s "
+            f"(stock models; {report['hf_drafted_per_round'] or 0:.2f} tokens drafted per round, "
+            f"gamma {report['gamma']})"
         )
     return "\n".join(lines)

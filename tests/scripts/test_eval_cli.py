@@ -75,6 +75,7 @@ def test_greedy_report(pair, prompts, tmp_path, capsys):
     assert 1 < report["mean_accepted_tokens"] <= 4
     assert len(report["speedup_per_repeat"]) == 2
     assert report["batch_size"] == 1 and report["gamma"] == 3
+    assert report["hf_drafted_per_round"] == 3.0  # transformers drafted at the same gamma, on stock models
     table = capsys.readouterr().out
     assert "overall" in table and "greedy output identical to the target's: 100% of prompts" in table
 
