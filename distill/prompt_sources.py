@@ -10,11 +10,16 @@ A source is one of:
 
 A row is read in the usual formats, in this order of preference:
 
+- ``prompt`` / ``instruction`` / ``question``: a user message; an ``instruction`` with an ``input``
+  (Alpaca) becomes the two joined by a blank line;
 - ``messages`` or ``conversations``: a chat, ``{role, content}`` or ShareGPT ``{from, value}`` turns;
   trailing assistant turns are dropped (the target writes that reply);
-- ``prompt`` / ``question``: a user message;
-- ``instruction`` with an optional ``input`` (Alpaca): the two joined by a blank line;
+- ``turns``: the first of a list of user turns;
 - ``text``: plain text, used as a user message.
+
+Rows are brought to the forms of ``specdec.prompts.parse_prompt_row`` (``conversations`` renamed,
+``instruction`` + ``input`` and ``text`` made a ``prompt``), which parses them: one parser for
+evaluation prompts and training prompts.
 
 ``column_map`` names the column that holds a field when it has another name, e.g.
 ``{"prompt": "query"}``; then only the mapped columns are read (and ``category``). A row with none
@@ -32,9 +37,9 @@ import datasets
 
 from draftsmith.distill.data import BUILTIN_PROMPTS, EVAL_PROMPTS
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.prompts import read_prompts
+from draftsmith.specdec.prompts import parse_prompt_row, read_prompts
 
-PROMPT_FIELDS = ("messages", "conversations", "prompt", "question", "instruction", "text")  # one is needed
+PROMPT_FIELDS = ("messages", "conversations", "prompt", "question", "instruction", "turns", "text")  # one needed
 FIELDS = (*PROMPT_FIELDS, "input", "category")
 FILE_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -71,43 +76,38 @@ def parse_column_map(text: str | None) -> dict[str, str]:
     return mapping
 
 
-def chat_turns(turns: object, where: str) -> list[dict]:
-    """``{role, content}`` or ShareGPT ``{from, value}`` turns -> ``{role, content}``, trailing replies dropped."""
-    if not isinstance(turns, list) or not turns:
-        raise DraftsmithError(f"{where}: the conversation must be a non-empty list of turns")
-    messages = []
-    for turn in turns:
-        if isinstance(turn, dict) and isinstance(turn.get("content"), str) and turn.get("role"):
-            messages.append({"role": str(turn["role"]), "content": turn["content"]})
-        elif isinstance(turn, dict) and turn.get("from") in SHAREGPT_ROLES and isinstance(turn.get("value"), str):
-            messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
-        else:
-            raise DraftsmithError(
-                f"{where}: each turn needs 'role' and 'content' (or 'from' and 'value'), got {turn!r}"
-            )
-    while messages and messages[-1]["role"] == "assistant":
-        messages.pop()
-    if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
-        raise DraftsmithError(f"{where}: the conversation has no user message to answer")
-    return messages
+def sharegpt_messages(turns: object, where: str) -> object:
+    """ShareGPT ``{from, value}`` turns as ``{role, content}`` messages; other turns are left as they are."""
+    if not isinstance(turns, list):
+        return turns
+    return [
+        {"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]}
+        if isinstance(t, dict) and t.get("from") in SHAREGPT_ROLES and "value" in t
+        else t
+        for t in turns
+    ]
+
+
+def canonical_row(row: dict, where: str) -> dict:
+    """A row in the forms the project's one prompt parser (``specdec.prompts.parse_prompt_row``) reads:
+    ``conversations`` becomes ``messages``, ``instruction`` + ``input`` and ``text`` become ``prompt``."""
+    row = {k: v for k, v in row.items() if v is not None}  # dataset rows carry every column
+    if "conversations" in row and "messages" not in row:
+        row["messages"] = sharegpt_messages(row.pop("conversations"), where)
+    extra = row.pop("input", None)
+    if isinstance(row.get("instruction"), str) and isinstance(extra, str) and extra.strip():
+        row["prompt"] = f"{row.pop('instruction')}\n\n{extra}"
+    if "text" in row and not any(key in row for key in PROMPT_FIELDS if key != "text"):
+        row["prompt"] = row.pop("text")
+    return row
 
 
 def row_messages(row: dict, where: str) -> list[dict] | None:
     """The conversation of a row in one of the usual formats; None when it has none of the fields."""
-    row = {k: v for k, v in row.items() if v is not None}  # dataset rows carry every column
-    for key in ("messages", "conversations"):
-        if key in row:
-            return chat_turns(row[key], f"{where}, {key!r}")
-    for key in ("prompt", "question", "instruction", "text"):
-        if key in row:
-            value = row[key]
-            if not isinstance(value, str) or not value.strip():
-                raise DraftsmithError(f"{where}: {key!r} must be a non-empty string, got {value!r}")
-            extra = row.get("input") if key == "instruction" else None
-            if isinstance(extra, str) and extra.strip():
-                value = f"{value}\n\n{extra}"
-            return [{"role": "user", "content": value}]
-    return None
+    row = canonical_row(row, where)
+    if not any(key in row for key in PROMPT_FIELDS):
+        return None
+    return parse_prompt_row(row, where).turns[0]
 
 
 def rows_to_prompts(rows: datasets.Dataset, source: str, column_map: dict[str, str], skip_bad_rows: bool):

@@ -16,6 +16,7 @@ ROWS = [
     {"instruction": "Translate to French.", "input": "Good morning"},
     {"question": "Why is the sky blue?"},
     {"text": "Tell me a joke."},
+    {"turns": ["Plan a picnic.", "Now for ten people."], "category": "writing"},
 ]
 
 
@@ -26,7 +27,7 @@ def write_jsonl(path, rows):
 
 def test_every_usual_format_gives_the_conversation_awaiting_a_reply(tmp_path):
     prompts = load_prompts(str(write_jsonl(tmp_path / "p.jsonl", ROWS)))
-    assert [p.id for p in prompts] == ["0", "1", "2", "3", "4", "5"]
+    assert [p.id for p in prompts] == ["0", "1", "2", "3", "4", "5", "6"]
     assert [p.messages for p in prompts] == [
         [{"role": "user", "content": "What is a prime number?"}],
         [{"role": "user", "content": "Hi!"}],  # the assistant's reply is dropped: the target writes it
@@ -34,6 +35,7 @@ def test_every_usual_format_gives_the_conversation_awaiting_a_reply(tmp_path):
         [{"role": "user", "content": "Translate to French.\n\nGood morning"}],
         [{"role": "user", "content": "Why is the sky blue?"}],
         [{"role": "user", "content": "Tell me a joke."}],
+        [{"role": "user", "content": "Plan a picnic."}],  # the first turn
     ]
     assert prompts[0].topic == "math" and prompts[1].topic == ""
     assert {p.source for p in prompts} == {str(tmp_path / "p.jsonl")}
@@ -68,7 +70,7 @@ def test_a_row_without_a_prompt_is_named_by_its_number_or_skipped_and_counted(tm
 
 def test_malformed_fields_are_errors_naming_the_row(tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", [ROWS[0], {"messages": [{"role": "assistant", "content": "Hi"}]}])
-    with pytest.raises(DraftsmithError, match="row 1 .*no user message"):
+    with pytest.raises(DraftsmithError, match="row 1 .*holds only assistant replies"):
         load_prompts(str(path))
     path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "   "}])
     with pytest.raises(DraftsmithError, match="row 0 .*'prompt' must be a non-empty string"):
