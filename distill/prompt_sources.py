@@ -76,7 +76,7 @@ def parse_column_map(text: str | None) -> dict[str, str]:
     return mapping
 
 
-def sharegpt_messages(turns: object, where: str) -> object:
+def sharegpt_messages(turns: object) -> object:
     """ShareGPT ``{from, value}`` turns as ``{role, content}`` messages; other turns are left as they are."""
     if not isinstance(turns, list):
         return turns
@@ -88,12 +88,12 @@ def sharegpt_messages(turns: object, where: str) -> object:
     ]
 
 
-def canonical_row(row: dict, where: str) -> dict:
+def canonical_row(row: dict) -> dict:
     """A row in the forms the project's one prompt parser (``specdec.prompts.parse_prompt_row``) reads:
     ``conversations`` becomes ``messages``, ``instruction`` + ``input`` and ``text`` become ``prompt``."""
     row = {k: v for k, v in row.items() if v is not None}  # dataset rows carry every column
     if "conversations" in row and "messages" not in row:
-        row["messages"] = sharegpt_messages(row.pop("conversations"), where)
+        row["messages"] = sharegpt_messages(row.pop("conversations"))
     extra = row.pop("input", None)
     if isinstance(row.get("instruction"), str) and isinstance(extra, str) and extra.strip():
         row["prompt"] = f"{row.pop('instruction')}\n\n{extra}"
@@ -104,7 +104,7 @@ def canonical_row(row: dict, where: str) -> dict:
 
 def row_messages(row: dict, where: str) -> list[dict] | None:
     """The conversation of a row in one of the usual formats; None when it has none of the fields."""
-    row = canonical_row(row, where)
+    row = canonical_row(row)
     if not any(key in row for key in PROMPT_FIELDS):
         return None
     return parse_prompt_row(row, where).turns[0]
