@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[prompt_options(), device_options(), draft_vocab_option(), progress_option()],
+        parents=[prompt_options(), device_options(), draft_vocab_option(default=None), progress_option()],
     )
     p.add_argument(
         "--target",
@@ -61,7 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft model folder / .gguf / hub id, 'self' (the target drafts for itself), or "
         "'truncate:N' / 'truncate:0,1,28' (the target's first N or listed layers, untrained)",
     )
-    p.add_argument("--gamma", type=int, default=GAMMA, help=f"draft tokens per round (default: {GAMMA})")
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="draft tokens per round (default: the draft folder's generation_config.json num_assistant_tokens "
+        f"with the constant schedule, as publish writes it; else {GAMMA})",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="top-k filtering when sampling (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering when sampling (1.0 = off)")
@@ -117,8 +123,27 @@ def _stock_pair(args, device: torch.device, dtype: torch.dtype) -> HFComparison:
     return HFComparison(target, load_model(args.target if args.draft == "self" else args.draft, device, dtype))
 
 
+def _published_settings(args) -> None:
+    """Fill ``--gamma`` and ``--draft-vocab`` left out from what a published draft folder carries:
+    the gamma of its generation config (constant schedule) and its draft_vocab.json."""
+    folder = Path(args.draft)
+    config = folder / "generation_config.json"
+    assistant = json.loads(config.read_text()) if config.is_file() else {}
+    constant = assistant.get("num_assistant_tokens_schedule") == "constant"
+    carried_gamma = constant and "num_assistant_tokens" in assistant
+    args.gamma_source = (
+        "--gamma" if args.gamma is not None else "generation_config.json" if carried_gamma else "default"
+    )
+    if args.gamma is None:
+        args.gamma = assistant["num_assistant_tokens"] if carried_gamma else GAMMA
+    if args.draft_vocab is None:
+        carried = (folder / draft_vocab.FILE).is_file() and not args.compare_hf
+        args.draft_vocab = len(draft_vocab.load_ranking(folder)) if carried else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _published_settings(args)
     options = DecodeOptions(
         gamma=args.gamma,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
@@ -176,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         draft_vocab=args.draft_vocab,
+        gamma_source=args.gamma_source,
         prompts_file=str(args.prompts),
     )
     print(format_table(report))

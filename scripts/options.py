@@ -51,9 +51,10 @@ def gammas_option() -> argparse.ArgumentParser:
     return p
 
 
-def draft_vocab_option(default: int = 0) -> argparse.ArgumentParser:
+def draft_vocab_option(default: int | None = 0) -> argparse.ArgumentParser:
     """--draft-vocab: frequency-ranked drafting with the N most frequent tokens of the run's training answers
-    (off unless a recipe passes its own default)."""
+    (off unless a recipe passes its own default; None: what the draft folder carries)."""
+    carried = "the draft folder's own draft_vocab.json when it has one (publish writes it), else 0"
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
         "--draft-vocab",
@@ -61,7 +62,7 @@ def draft_vocab_option(default: int = 0) -> argparse.ArgumentParser:
         default=default,
         help="the draft's head scores only the N tokens most frequent in its run's training answers "
         "(draft_vocab.json in the run folder); exact, the target verifies over its full vocabulary. "
-        f"0 = full head (default: {default})",
+        f"0 = full head (default: {carried if default is None else default})",
     )
     return p
 

@@ -13,9 +13,11 @@ import torch
 import yaml
 
 from draftsmith.distill.early_exit import is_early_exit
+from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path
+from draftsmith.specdec.hf_compare import configure_assistant
 from draftsmith.specdec.loading import check_compatible, load_model, load_tokenizer
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.train import checkpoint
@@ -23,6 +25,7 @@ from draftsmith.train.config import DistillConfig, load_run_config
 from draftsmith.train.models import load_target
 from draftsmith.train.speedup import BEST, REPORT
 
+GAMMA = 4  # draft tokens per round of an unmeasured draft (eval's default)
 # Hub ids of the built-in aliases, for the model card's base_model.
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 CHECK_PROMPTS = ["Write a haiku about the sea.", "What is 7 times 8?", "Name three colors."]
@@ -58,9 +61,16 @@ def publish(ckpt: Path, out: Path, overwrite: bool = False) -> Path:
     tokenizer = load_tokenizer(str(ckpt))
     check_compatible(target_tokenizer, tokenizer, target.config.vocab_size, draft.config.vocab_size)
 
+    measured = measured_settings(run_dir, ckpt)
+    # generate(assistant_model=draft) reads these from the draft's own generation config.
+    configure_assistant(draft.generation_config, measured["gamma"])
     with atomic_path(out) as tmp:
         draft.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if measured["draft_vocab"]:
+            # The head cut the measurement used: eval on the published folder drafts with it too.
+            ranking = draft_vocab.load_ranking(run_dir, measured["draft_vocab"])
+            draft_vocab.save_ranking(tmp, ranking)
         (tmp / "README.md").write_text(model_card(cfg, ckpt, run_dir))
         # The written folder must behave exactly like the checkpoint: same greedy tokens.
         prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in CHECK_PROMPTS]
@@ -70,6 +80,17 @@ def publish(ckpt: Path, out: Path, overwrite: bool = False) -> Path:
         if got != expected:
             raise DraftsmithError(f"the written folder does not reproduce {ckpt}'s greedy output; nothing published")
     return out
+
+
+def measured_settings(run_dir: Path, ckpt: Path) -> dict:
+    """The gamma (best at the report's first temperature) and draft vocabulary size ``ckpt`` was
+    measured with by eval-run; the default gamma and the full head when it was not measured."""
+    report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else {"results": {}}
+    by_temp = report["results"].get(ckpt.name, {})
+    first = str(report["temperatures"][0]) if by_temp else None
+    if first not in by_temp:
+        return {"gamma": GAMMA, "draft_vocab": 0, "measured": False}
+    return {"gamma": by_temp[first]["best_gamma"], "draft_vocab": report.get("draft_vocab") or 0, "measured": True}
 
 
 def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:

@@ -1,0 +1,72 @@
+"""The published draft is the measured draft: its gamma and head cut travel with it, and eval uses them."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from draftsmith.cli import main
+from draftsmith.specdec.hf_compare import AssistedRounds, hf_generate
+from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.train.config import DistillConfig, load_config, load_run_config
+from draftsmith.train.loop import train
+from draftsmith.train.models import load_target
+
+ROOT = Path(__file__).parents[2]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+PROMPTS = str(ROOT / "distill" / "data" / "eval_prompts.jsonl")
+MEASURE = ["--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A tiny run measured with a 12-token draft vocabulary at gammas 1 and 3, its best published, and
+    the run's target saved as a model folder."""
+    root = tmp_path_factory.mktemp("pub")
+    cfg = load_config(DistillConfig, TINY, [f"output_dir={root / 'run'}", "max_steps=2", "save_steps=2"])
+    run_dir = train(cfg).run_dir
+    assert main(["eval-run", str(run_dir), *MEASURE, "--gammas", "1,3", "--draft-vocab", "12"]) == 0
+    assert main(["publish", str(run_dir), "--out", str(root / "draft")]) == 0
+    target, tokenizer = load_target(load_run_config(run_dir), torch.device("cpu"))
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    return run_dir, root / "draft", root / "target"
+
+
+def test_published_generation_config_carries_the_measured_gamma(published):
+    run_dir, draft_dir, target_dir = published
+    best = json.loads((run_dir / "best.json").read_text())
+    config = json.loads((draft_dir / "generation_config.json").read_text())
+    assert config["num_assistant_tokens"] == best["best_gamma"]
+    assert config["num_assistant_tokens_schedule"] == "constant"
+    assert config["assistant_confidence_threshold"] == 0
+    # transformers drafts that many tokens per round with no extra arguments.
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir)
+    prompt, eos = [5, 9, 12, 7], frozenset({target.config.vocab_size - 1})
+    with AssistedRounds(target, draft, max_length=len(prompt) + 16, eos_ids=eos) as rounds:
+        hf_generate(target, prompt, 16, sampling=SamplingParams(0.0), eos_ids=eos, assistant=draft)
+    assert rounds.short_rounds(best["best_gamma"]) == 0
+    assert [r.drafted for r in rounds.rounds][0] == best["best_gamma"]
+
+
+def test_published_folder_carries_the_measured_draft_vocabulary(published):
+    run_dir, draft_dir, _ = published
+    run_ranking = json.loads((run_dir / "draft_vocab.json").read_text())["token_ids"]
+    assert json.loads((draft_dir / "draft_vocab.json").read_text())["token_ids"] == run_ranking[:12]
+
+
+def test_eval_on_the_published_folder_uses_its_gamma_and_vocabulary(published, tmp_path):
+    run_dir, draft_dir, target_dir = published
+    best = json.loads((run_dir / "best.json").read_text())
+    common = ["eval", "--target", str(target_dir), "--draft", str(draft_dir), *MEASURE, "--repeats", "1"]
+    assert main([*common, "--json", str(tmp_path / "a.json")]) == 0
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["gamma"] == best["best_gamma"] and report["gamma_source"] == "generation_config.json"
+    assert report["draft_vocab"] == 12
+    assert report["greedy_match"] == 1.0
+    assert main([*common, "--gamma", "2", "--draft-vocab", "0", "--json", str(tmp_path / "b.json")]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert (report["gamma"], report["gamma_source"], report["draft_vocab"]) == (2, "--gamma", 0)
