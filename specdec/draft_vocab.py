@@ -86,9 +86,6 @@ class SubsetHeadDraft(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.weight.dtype
 
-    def get_output_embeddings(self) -> None:
-        return None  # the head here already takes standard strides (see decoder._standard_strides_into_head)
-
     def forward(self, input_ids, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
         hidden = self.draft.get_decoder()(input_ids=input_ids, **kwargs).last_hidden_state
         if logits_to_keep:
