@@ -10,7 +10,10 @@ bfloat16 it flips near-tied argmaxes often enough to change a third of greedy an
 
 ``exact`` attention (registered as ``draftsmith_exact``) runs each query row of a decoding forward
 as its own single-query attention over exactly the keys that row may see, the same call on the same
-data as a single-token step (which goes through the same function). Everything else (prefill,
+data as a single-token step (which goes through the same function). A token tree's forward
+(``stream.ModelStream.forward_tree``) passes ``exact_keys``, the key slots each row may see (the
+context, then its ancestors, then itself, in slot order): each row attends over those keys
+gathered in that order, the very keys a one-token step along the row's path reads. Everything else (prefill,
 padded batches, masks that are not a plain causal prefix, a static cache) goes to ``sdpa``
 unchanged. A single query runs with its heads packed by key/value group, one small dense attention
 per group with no mask: on CPU that is also the fastest single-query kernel (in bfloat16 4.5x
@@ -64,14 +67,22 @@ def exact_attention(
 
     ``exact_rows`` (a forward keyword): only the first that many query rows are real; the rest are
     padding whose output is thrown away, so their attention is not computed (zeros).
+    ``exact_keys`` (a forward keyword): one (K_i,) tensor of key slots per query row (a token tree).
     """
     rows_needed = kwargs.pop("exact_rows", None)
+    keys_per_row = kwargs.pop("exact_keys", None)
     batch, heads, q, _ = query.shape
     kv = key.shape[2]
     plain = batch == 1 and heads % key.shape[1] == 0 and not any(kwargs.get(k) for k in _UNSUPPORTED)
     scaling = kwargs.get("scaling")
     if plain and q == 1 and attention_mask is None:
         return one_query_attention(query, key, value, scaling), None
+    if plain and keys_per_row is not None:
+        rows = [
+            one_query_attention(query[:, :, i : i + 1], key[:, :, slots], value[:, :, slots], scaling)
+            for i, slots in enumerate(keys_per_row)
+        ]
+        return torch.cat(rows, dim=1), None
     if not plain or q == 1 or q > MAX_ROWS or kv <= q or not _plain_causal_prefix(attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv - q

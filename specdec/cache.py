@@ -174,6 +174,27 @@ class SlotTracker:
         mask = torch.zeros(batch, 1, q, kv_length, dtype=dtype, device=live.device)
         return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
+    def reserve_at(self, positions: torch.Tensor) -> None:
+        """Claim the next ``Q`` slots for inputs at explicit logical ``positions`` (B, Q), e.g. a
+        token tree's nodes by depth. ``pos`` does not move: such inputs stay uncommitted until
+        ``compact`` keeps some of them."""
+        end = self.length + positions.shape[1]
+        if end > self.slot_pos.shape[1]:
+            grow = max(end, 2 * self.slot_pos.shape[1]) - self.slot_pos.shape[1]
+            self.slot_pos = torch.nn.functional.pad(self.slot_pos, (0, grow), value=-1)
+        self.slot_pos[:, self.length : end] = positions
+        self.length = end
+
+    def compact(self, base: int, kept: int) -> None:
+        """After the caller copied ``kept`` chosen slots down to ``base`` (one sequence without holes,
+        whose ``pos`` is ``base``): those slots follow the context at consecutive positions, the
+        rest is forgotten."""
+        self.slot_pos[:, base : base + kept] = self.pos[:, None] + torch.arange(kept, device=self.pos.device)
+        self.slot_pos[:, base + kept :] = -1
+        self.pos = self.pos + kept
+        self.length = base + kept
+        self.holes = False
+
     def drop_last_slot(self) -> None:
         """Forget the last reserved slot, which held padding only (a one-token forward run as two rows)."""
         self.length -= 1

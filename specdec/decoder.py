@@ -38,6 +38,7 @@ from draftsmith.specdec.sampling import SamplingParams, choose_token
 from draftsmith.specdec.self_spec import EarlyExit, shared_layers_pair
 from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad
 from draftsmith.specdec.timing import Clock
+from draftsmith.specdec.tree_drafting import accept_tree, commit_tree, draft_tree, verify_tree
 from draftsmith.specdec.verify import TargetVerifier, Verifier, accept, verification_inputs
 
 
@@ -51,7 +52,8 @@ class DecodeStats:
     seq_rounds: int = 0  # rounds summed over sequences (a batched round of 3 live sequences counts 3)
     rounds: int = 0  # batched rounds = target forwards after the prefill
     proposed: int = 0  # draft tokens offered for verification
-    accepted: int = 0  # draft tokens the target kept
+    accepted: int = 0  # draft tokens the target kept (tree: length of the accepted path)
+    tree_nodes: int = 0  # tree mode: draft nodes verified, over all rounds (equals proposed)
     target_forwards: int = 0  # including the prefill
     draft_forwards: int = 0  # including the prefill
     seq_proposed: list[int] = field(default_factory=list)  # per prompt, in input order
@@ -73,6 +75,11 @@ class DecodeStats:
         return self.round_tokens / self.seq_rounds if self.seq_rounds else None
 
     @property
+    def nodes_per_round(self) -> float | None:
+        """Tree mode: draft nodes verified per round; None otherwise."""
+        return self.tree_nodes / self.seq_rounds if self.tree_nodes and self.seq_rounds else None
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_time if self.total_time else 0.0
 
@@ -81,6 +88,7 @@ class DecodeStats:
             **asdict(self),
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_tokens": self.mean_accepted_tokens,
+            "nodes_per_round": self.nodes_per_round,
             "tokens_per_s": self.tokens_per_s,
         }
 
@@ -215,6 +223,9 @@ def speculative_generate(
 
         live = list(range(batch))  # the sequence in each row of the models' batches
         while live := _drop_finished(out, live, [verifier, drafter], device):
+            if options.tree is not None:  # the same four steps over a token tree (tree_drafting)
+                _tree_round(out, stats, verifier, drafter, options, generator, clock)
+                continue
             # 1. Draft: up to gamma tokens each, never past max_new_tokens (a round emits n + 1).
             budget = torch.tensor([min(options.gamma, out.remaining(seq) - 1) for seq in live], device=device)
             proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
@@ -251,6 +262,8 @@ def _verifier_and_drafter(
 ) -> tuple[Verifier, Drafter]:
     """The target's and the draft's sides of the loop, with caches sized for the whole run."""
     batch = len(prompts)
+    if options.tree is not None:
+        return _tree_pair(target, draft, prompts, max_new_tokens, options)
     widest = max([options.gamma + 1, *options.verify_widths.values()])
     # A round adds at most `widest` slots; with batch > 1 a ragged round also leaves holes behind.
     extra = max_new_tokens + widest + 1 if batch == 1 else (max_new_tokens + 1) * widest + 1
@@ -260,6 +273,61 @@ def _verifier_and_drafter(
     cache_kind = options.cache_kind or default_cache_kind(target.device)
     verifier = TargetVerifier(target, batch, capacity, cache_kind, options.verify_widths)
     return verifier, LMDrafter(draft, batch, capacity, cache_kind)
+
+
+def _tree_pair(
+    target: PreTrainedModel,
+    draft: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    options: DecodeOptions,
+) -> tuple[TargetVerifier, LMDrafter]:
+    """The target and a standalone draft on their own caches, for tree rounds (batch 1)."""
+    if len(prompts) > 1:
+        raise DraftsmithError(f"tree decoding takes one prompt at a time, got a batch of {len(prompts)}")
+    if options.kv_reuse and isinstance(draft, EarlyExit):
+        raise DraftsmithError("tree decoding needs a standalone draft; pass kv_reuse=False for an early-exit draft")
+    # A round adds x_n and the tree's nodes to the caches before compacting them.
+    capacity = len(prompts[0]) + max_new_tokens + options.tree.max_nodes + 2
+    cache_kind = options.cache_kind or default_cache_kind(target.device)
+    verifier = TargetVerifier(target, 1, capacity, cache_kind, widths={})
+    return verifier, LMDrafter(draft, 1, capacity, cache_kind)
+
+
+def _tree_round(
+    out: Outputs,
+    stats: DecodeStats,
+    verifier: TargetVerifier,
+    drafter: LMDrafter,
+    options: DecodeOptions,
+    generator: torch.Generator | None,
+    clock: Clock,
+) -> None:
+    """One round over a token tree for the one live sequence (0): draft, verify, accept, commit."""
+    sequence = out.sequences[0]
+    # Never past max_new_tokens: a round emits the path plus one token.
+    tree = draft_tree(drafter.stream, sequence, options.tree, max_depth=min(options.tree.depth, out.remaining(0) - 1))
+    stats.draft_forwards += tree.steps
+    stats.draft_time += clock.lap()
+    target_logits = verify_tree(verifier.stream, last=sequence[-1], tree=tree)  # (N+1, V)
+    stats.target_forwards += 1
+    stats.verify_time += clock.lap()
+    path, next_token = accept_tree(tree, target_logits, options.sampling, generator)
+    commit_tree(verifier.stream, drafter.stream, tree, path)
+    kept = out.emit(0, [tree.tokens[node] for node in path] + [next_token])
+    stats.new_tokens += kept
+    stats.round_tokens += kept
+    nodes = len(tree.tokens)
+    stats.proposed, stats.accepted, stats.tree_nodes = (
+        stats.proposed + nodes,
+        stats.accepted + len(path),
+        stats.tree_nodes + nodes,
+    )
+    stats.seq_proposed[0] += nodes
+    stats.seq_accepted[0] += len(path)
+    stats.rounds += 1
+    stats.seq_rounds += 1
+    stats.other_time += clock.lap()
 
 
 def _emit_round(

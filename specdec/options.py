@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from draftsmith.specdec.cache import CACHE_KINDS
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.tree import TreeShape
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class DecodeOptions:
         rows than for 4; ``verify.tune_verify_widths`` measures it). Exact either way.
     kv_reuse: a draft made of the target's first layers (``self_spec.EarlyExit``) shares the
         target's cache, and verification runs only the target's remaining layers.
+    tree: draft a token tree of this shape each round instead of a chain (``tree_drafting``); then
+        ``gamma`` and ``verify_widths`` are not used (the tree's depth takes gamma's place), and
+        only batch 1 with a standalone draft LM is supported.
     """
 
     gamma: int = 4
@@ -34,6 +38,7 @@ class DecodeOptions:
     cache_kind: str | None = None
     verify_widths: Mapping[int, int] = field(default_factory=dict)
     kv_reuse: bool = True
+    tree: TreeShape | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
@@ -42,6 +47,8 @@ class DecodeOptions:
             raise DraftsmithError(f"confidence threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.cache_kind is not None and self.cache_kind not in CACHE_KINDS:
             raise DraftsmithError(f"unknown cache kind {self.cache_kind!r}; choose one of {', '.join(CACHE_KINDS)}")
+        if self.tree is not None and not isinstance(self.tree, TreeShape):
+            raise DraftsmithError(f"tree must be a TreeShape (e.g. TreeShape.parse('3,2,1,1')), got {self.tree!r}")
         for tokens, width in self.verify_widths.items():
             if not 1 <= tokens <= width:
                 raise DraftsmithError(f"verify widths map q >= 1 tokens to a width >= q, got {tokens}: {width}")

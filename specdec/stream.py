@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.specdec.attention import use_exact_attention
+from draftsmith.specdec.attention import EXACT, MAX_ROWS, use_exact_attention
 from draftsmith.specdec.cache import SlotTracker, make_cache, select_batch
 from draftsmith.specdec.loading import cpu_has_native_bfloat16
 
@@ -133,6 +133,45 @@ class ModelStream:
             **attention,
         )
         return out.logits
+
+    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Append the inputs ``tokens`` (1, Q) of one sequence at explicit ``positions`` (1, Q), input
+        i attending to the cache slots where ``visible[i]`` (Q, S) is True (S: slots in use after this
+        forward); logits (1, Q, V). Used for token trees, whose nodes sit at positions by depth and
+        see only their ancestors; ``keep_slots`` commits some of them afterwards."""
+        q = tokens.shape[1]
+        self.tracker.reserve_at(positions)
+        kv_length, _ = self.cache.get_mask_sizes(q, 0)
+        allowed = torch.nn.functional.pad(visible, (0, kv_length - visible.shape[1]), value=False)
+        mask = torch.zeros(1, 1, q, kv_length, dtype=self.model.dtype, device=self.device)
+        mask.masked_fill_(~allowed[None, None], torch.finfo(self.model.dtype).min)
+        attention = {}
+        if self.model.config._attn_implementation == EXACT and q <= MAX_ROWS:
+            attention["exact_keys"] = [row.nonzero()[:, 0] for row in visible]  # (K_i,) slots, in order
+        out = self.model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=mask,
+            cache=self.cache,
+            use_cache=True,
+            **attention,
+        )
+        return out.logits
+
+    def keep_slots(self, slots: list[int]) -> None:
+        """Commit the uncommitted slots ``slots`` (ascending, at or after the sequence's committed
+        length) in that order right after the committed tokens, and forget every other slot after
+        them: a token tree's accepted path, compacted. One sequence without holes."""
+        base = int(self.tracker.pos[0])
+        if slots:
+            index = torch.tensor(slots, device=self.device)
+            for layer in (layer for layer in self.cache.layers if layer.is_initialized):
+                layer.keys[:, :, base : base + len(slots)] = layer.keys[:, :, index]
+                layer.values[:, :, base : base + len(slots)] = layer.values[:, :, index]
+        dropped = self.tracker.length - base - len(slots)
+        self.tracker.compact(base, len(slots))
+        if dropped:
+            self.cache.crop(-dropped)
 
     def rollback(self, keep: torch.Tensor) -> None:
         """Keep the first ``keep[b]`` tokens of each sequence in the cache, at most what it holds (B,)."""
