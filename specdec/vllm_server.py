@@ -12,8 +12,10 @@ On the CPU backend the server is given (each recorded in ``Server.settings``):
 - ``VLLM_CPU_KVCACHE_SPACE``: a fixed KV-cache size in GiB, instead of a fraction of all memory,
   which fails on a machine whose memory others use;
 - ``VLLM_CPU_OMP_THREADS_BIND`` and ``OMP_NUM_THREADS``: left alone, vLLM keeps one core for its
-  scheduler and runs the model on the rest, one thread on a 2-core machine; here the thread count is
-  chosen explicitly (default: every core this process may use, as torch does for the bundled decoder).
+  scheduler and pins the model's threads to the rest, one thread on a 2-core machine; here the
+  threads are not pinned and their count is chosen explicitly (default: every core this process may
+  use, as torch does for the bundled decoder). On a machine whose cores other jobs also use, one thread is much faster than
+  two: OpenMP threads that wait for each other at every operation lose their turn to the others.
 Usage reporting is switched off and vLLM's internal addresses stay on the loopback.
 """
 
@@ -153,9 +155,11 @@ def server_environment(engine: Engine, device: str, threads: int | None, kv_cach
     threads = len(cores) if threads is None else threads
     if not 1 <= threads <= len(cores):
         raise DraftsmithError(f"threads must be between 1 and {len(cores)} (the cores this process has), got {threads}")
+    # No pinning to cores ("nobind"): on a machine shared with other jobs a pinned thread cannot move
+    # off a busy core; the thread count alone is set.
     env.update(
         VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
-        VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in cores[:threads]),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
         OMP_NUM_THREADS=str(threads),
     )
     if engine.iomp_library is not None:

@@ -1,0 +1,276 @@
+"""vLLM as the engine: a real server on the CPU with the default target, against the bundled decoder.
+
+The tests marked ``vllm`` start real vLLM servers from the environment ``make vllm`` installs and skip
+(with the reason) where there is none. Each server starts once for the module (float32, eager, so
+no torch.compile warm-up; one thread, which stays fast on a machine other jobs share). The unmarked
+tests at the top check the pieces that need no engine.
+"""
+
+import json
+import socket
+import stat
+
+import pytest
+import torch
+
+from draftsmith.distill.draft_init import truncate_target
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.prompts import encode_chat
+from draftsmith.specdec.vllm_client import (
+    SpecCounters,
+    complete,
+    complete_batch,
+    parse_spec_counters,
+    read_spec_counters,
+)
+from draftsmith.specdec.vllm_measure import measure_engine_pair
+from draftsmith.specdec.vllm_server import (
+    ENGINE_VARIABLE,
+    HOST,
+    Engine,
+    check_port_free,
+    find_engine,
+    group_alive,
+    serve,
+    server_arguments,
+    server_environment,
+)
+
+QUESTIONS = ["Why is the sky blue?", "Write a haiku about autumn.", "What is 12 times 7?"]
+MAX_TOKENS = 24
+GAMMA = 3
+
+METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 68.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="t"} 1.796068747282468e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="t"} 204.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="t"} 101.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="0"} 50.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="2"} 20.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="1"} 31.0
+vllm:prompt_tokens_total{engine="0",model_name="t"} 4.0
+"""
+
+
+def test_metrics_text_gives_the_speculative_counters():
+    counters = parse_spec_counters(METRICS)
+    assert counters == SpecCounters(drafts=68, draft_tokens=204, accepted=101, accepted_per_position=[50, 31, 20])
+    assert counters.acceptance_rate == pytest.approx(101 / 204)
+    assert counters.mean_accepted_tokens == pytest.approx(1 + 101 / 68)
+    assert counters.acceptance_per_position == pytest.approx([50 / 68, 31 / 68, 20 / 68])
+    assert parse_spec_counters("vllm:prompt_tokens_total 3.0\n") == SpecCounters()
+
+
+def test_counter_differences_keep_only_what_happened_between_readings():
+    before = SpecCounters(drafts=4, draft_tokens=12, accepted=12, accepted_per_position=[4, 4, 4])
+    after = SpecCounters(drafts=10, draft_tokens=30, accepted=15, accepted_per_position=[6, 5, 4])
+    assert after - before == SpecCounters(drafts=6, draft_tokens=18, accepted=3, accepted_per_position=[2, 1, 0])
+    assert (after - before) + before == after
+    assert (after - after).acceptance_rate is None
+
+
+def test_server_arguments_name_the_draft_and_gamma():
+    args = server_arguments(
+        model="/m/target",
+        port=8123,
+        dtype="float32",
+        seed=0,
+        draft="/m/draft",
+        gamma=4,
+        eager=True,
+        max_model_len=None,
+        memory_fraction=None,
+    )
+    assert args[:6] == ["--model", "/m/target", "--host", "127.0.0.1", "--port", "8123"]
+    assert "--enforce-eager" in args and "--no-enable-prefix-caching" in args
+    config = json.loads(args[args.index("--speculative-config") + 1])
+    assert config == {"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 4}
+
+
+def test_cpu_environment_sets_threads_kv_cache_and_openmp(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    engine = Engine(command=("python",), prefix=tmp_path)
+    env = server_environment(engine, "cpu", threads=1, kv_cache_gib=3)
+    assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+    assert env["VLLM_HOST_IP"] == HOST and env["VLLM_NO_USAGE_STATS"] == "1"
+    with pytest.raises(DraftsmithError, match="threads must be between 1 and"):
+        server_environment(engine, "cpu", threads=10_000, kv_cache_gib=3)
+
+
+def test_engine_variable_must_name_an_executable(tmp_path, monkeypatch):
+    plain = tmp_path / "python"
+    plain.write_text("")
+    monkeypatch.setenv(ENGINE_VARIABLE, str(plain))
+    with pytest.raises(DraftsmithError, match="is not an executable file; run `make vllm`"):
+        find_engine()
+    plain.chmod(plain.stat().st_mode | stat.S_IXUSR)
+    engine = find_engine()
+    assert engine.command == (str(plain), "-m", "vllm.entrypoints.openai.api_server")
+    assert engine.prefix == tmp_path.parent
+
+
+def test_a_port_in_use_is_refused():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind((HOST, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(DraftsmithError, match=f"port {port} on 127.0.0.1 is in use"):
+            check_port_free(port)
+
+
+# --- a real vLLM server ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The bundled decoder on one thread, as the servers: two OpenMP threads crawl on a machine other jobs load."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    try:
+        return find_engine()
+    except DraftsmithError as err:
+        pytest.skip(f"no vLLM environment: {err}")
+
+
+@pytest.fixture(scope="module")
+def default(engine):
+    """The default target in float32, the prompts as token ids, and its greedy answers (the reference)."""
+    model = load_model(DEFAULT_TARGET, torch.device("cpu"), torch.float32)
+    tokenizer = load_tokenizer(DEFAULT_TARGET)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    eos = eos_token_ids(model, tokenizer)
+    reference = [target_generate(model, [p], MAX_TOKENS, eos_ids=eos)[0][0] for p in prompts]
+    return model, tokenizer, prompts, eos, reference
+
+
+@pytest.fixture(scope="module")
+def draft(default, tmp_path_factory):
+    """The target's first 2 layers (untrained), and the model folder vLLM loads it from."""
+    model, tokenizer, *_ = default
+    folder = tmp_path_factory.mktemp("draft-2-layers")
+    draft = truncate_target(model, 2)
+    draft.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return draft, folder
+
+
+@pytest.fixture(scope="module")
+def target_server(engine, default, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm-logs") / "target.log"
+    with serve(DEFAULT_TARGET, dtype="float32", eager=True, threads=1, engine=engine, log_path=log) as server:
+        yield server
+    assert not group_alive(server.process.pid)  # the server and the engine's workers are gone
+
+
+@pytest.fixture(scope="module")
+def draft_server(engine, default, draft, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm-logs") / "draft.log"
+    options = {"dtype": "float32", "eager": True, "threads": 1, "engine": engine, "log_path": log}
+    with serve(DEFAULT_TARGET, draft=str(draft[1]), gamma=GAMMA, **options) as server:
+        yield server
+    assert not group_alive(server.process.pid)
+
+
+@pytest.mark.vllm
+def test_greedy_output_equals_the_bundled_decoders_one_by_one_and_batched(target_server, default):
+    *_, prompts, _, reference = default
+    one_by_one = [complete(target_server, p, MAX_TOKENS).token_ids for p in prompts]
+    assert one_by_one == reference
+    batched, seconds = complete_batch(target_server, prompts, MAX_TOKENS, batch_size=len(prompts))
+    assert [a.token_ids for a in batched] == reference
+    assert seconds > 0
+    assert read_spec_counters(target_server) == SpecCounters()  # no draft, no counters
+
+
+@pytest.fixture(scope="module")
+def draft_run(draft_server, default):
+    """The prompts answered one by one through the draft server, and what its counters grew by."""
+    *_, prompts, _, _ = default
+    before = read_spec_counters(draft_server)
+    answers, _ = complete_batch(draft_server, prompts, MAX_TOKENS, batch_size=1)
+    return answers, read_spec_counters(draft_server) - before
+
+
+@pytest.mark.vllm
+def test_greedy_output_with_a_truncated_draft_equals_the_target_alone(draft_run, default):
+    answers, _ = draft_run
+    assert [a.token_ids for a in answers] == default[-1]
+
+
+@pytest.mark.vllm
+def test_acceptance_counters_match_the_tokens_drafted_and_emitted(draft_run, default, draft):
+    model, _, prompts, eos, _ = default
+    answers, grown = draft_run
+    assert grown.draft_tokens == GAMMA * grown.drafts
+    assert 0 <= grown.accepted <= grown.draft_tokens
+    assert len(grown.accepted_per_position) == GAMMA
+    assert sum(grown.accepted_per_position) == grown.accepted
+    assert grown.accepted_per_position == sorted(grown.accepted_per_position, reverse=True)
+    # Every round emits its accepted tokens plus one of the target's; the prefill emits each first token.
+    # The last round of an answer may run past max_tokens (the surplus is cut), never short of it.
+    emitted = sum(len(a.token_ids) - 1 for a in answers)
+    assert emitted <= grown.drafts + grown.accepted <= emitted + GAMMA * len(prompts)
+    # vLLM runs the same rounds and accepts the same tokens as the bundled decoder with this draft.
+    # (It always drafts gamma tokens; the bundled decoder drafts fewer when max_tokens is that close.)
+    options = DecodeOptions(gamma=GAMMA)
+    bundled = [speculative_generate(model, draft[0], [p], MAX_TOKENS, options, eos_ids=eos)[1] for p in prompts]
+    assert grown.drafts == sum(stats.rounds for stats in bundled)
+    assert grown.accepted == sum(stats.accepted for stats in bundled)
+
+
+@pytest.mark.vllm
+def test_engine_pair_report_agrees_with_its_counters(target_server, draft_server, default):
+    *_, prompts, _, _ = default
+    report = measure_engine_pair(target_server, draft_server, prompts[:2], max_tokens=16, batch_size=2, repeats=2)
+    assert report["greedy_match"] == 1.0
+    assert report["gamma"] == GAMMA and report["batch_size"] == 2 and report["repeats"] == 2
+    assert report["proposed"] == GAMMA * report["drafts"]
+    assert report["acceptance_rate"] == pytest.approx(report["accepted"] / report["proposed"])
+    assert report["mean_accepted_tokens"] == pytest.approx(1 + report["accepted"] / report["drafts"])
+    assert report["speedup"] == pytest.approx(report["spec_tokens_per_s"] / report["target_tokens_per_s"])
+    low, high = report["speedup_spread"]
+    assert low <= report["speedup"] <= high
+    assert report["speculative_server"]["environment"]["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.vllm
+def test_the_server_and_its_workers_are_gone_after_an_exception_and_its_port_is_refused_meanwhile(engine, default):
+    stopped = pytest.raises(RuntimeError, match="stop inside the block")
+    with stopped, serve(DEFAULT_TARGET, dtype="float32", eager=True, threads=1, engine=engine) as server:
+        group = server.process.pid
+        port = int(server.url.rsplit(":", 1)[1])
+        refused = pytest.raises(DraftsmithError, match=f"port {port} on 127.0.0.1 is in use")
+        with refused, serve(DEFAULT_TARGET, port=port, engine=engine):
+            pass
+        assert group_alive(group)
+        raise RuntimeError("stop inside the block")
+    assert not group_alive(group)
+    assert server.process.returncode is not None
+
+
+@pytest.mark.vllm
+def test_a_wrong_model_path_is_a_clear_error(engine, tmp_path):
+    missing = pytest.raises(DraftsmithError, match="model not found: .*no-such-model")
+    with missing, serve(str(tmp_path / "no-such-model"), engine=engine):
+        pass
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    failed = pytest.raises(DraftsmithError, match="exited with status .* before it was ready")
+    with failed as caught, serve(str(broken), eager=True, engine=engine, log_path=tmp_path / "broken.log"):
+        pass
+    assert str(tmp_path / "broken.log") in str(caught.value)
+    assert len(str(caught.value).splitlines()) > 5  # the log's last lines come with the message
