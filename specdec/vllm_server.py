@@ -14,8 +14,9 @@ On the CPU backend the server is given (each recorded in ``Server.settings``):
 - ``VLLM_CPU_OMP_THREADS_BIND`` and ``OMP_NUM_THREADS``: left alone, vLLM keeps one core for its
   scheduler and pins the model's threads to the rest, one thread on a 2-core machine; here the
   threads are not pinned and their count is chosen explicitly (default: every core this process may
-  use, as torch does for the bundled decoder). On a machine whose cores other jobs also use, one thread is much faster than
-  two: OpenMP threads that wait for each other at every operation lose their turn to the others.
+  use, as torch does for the bundled decoder). On a machine whose cores other jobs also use, one
+  thread is much faster than two: OpenMP threads that wait for each other at every operation lose
+  their turn to the others.
 Usage reporting is switched off and vLLM's internal addresses stay on the loopback.
 """
 
