@@ -14,6 +14,7 @@ from draftsmith.specdec.cache import make_cache
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.stream import ModelStream, decoding_threads
+from draftsmith.specdec.tree import TreeShape
 from tests.helpers import ExitHead, noisy_copy, tiny_llama
 
 
@@ -88,3 +89,15 @@ def test_bfloat16_self_speculative_output_is_the_targets(wide_pair):
             got, stats = speculative_generate(target, draft, [prompt], 60, options=options)
             assert got == want, (seed, gamma, widths)
             assert stats.accepted > 0
+
+
+def test_bfloat16_greedy_tree_output_is_the_targets(wide_pair):
+    target, draft = wide_pair
+    for seed, length in enumerate((7, 45)):
+        prompt = _tokens(length, 30 + seed)[0].tolist()
+        want, _ = target_generate(target, [prompt], 50)
+        for shape in ("3,2,1,1", "3,2,2,1:8"):
+            options = DecodeOptions(tree=TreeShape.parse(shape))
+            got, stats = speculative_generate(target, draft, [prompt], 50, options=options)
+            assert got == want, (seed, shape)
+            assert 0 < stats.accepted < stats.proposed
