@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import datasets
@@ -44,6 +45,8 @@ def load_rows(source: str, split: str = "train") -> datasets.Dataset:
             raise DraftsmithError(
                 f"{source}: unsupported data file type {suffix!r}; use .jsonl, .json, .parquet or .txt"
             )
+        if kind == "json":
+            check_json_file(path)
         try:
             return datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as err:  # datasets raises many types for a malformed file
@@ -54,6 +57,60 @@ def load_rows(source: str, split: str = "train") -> datasets.Dataset:
         return datasets.load_dataset(source, split=split)
     except Exception as err:
         raise DraftsmithError(f"could not load dataset {source!r} (split {split!r}): {err}") from err
+
+
+def check_json_file(path: Path) -> None:
+    """Refuse a .json file that is not JSON, or a JSON-lines file with a line that is not, naming the line."""
+    text = path.read_text()
+    lines = text.splitlines()
+    if path.suffix.lower() == ".json":
+        try:
+            json.loads(text)
+            return
+        except json.JSONDecodeError as err:
+            first = next((line for line in lines if line.strip()), "")
+            if not is_json(first):  # one JSON document, not JSON lines
+                raise DraftsmithError(f"{path}, line {err.lineno}: not valid JSON ({err.msg}); fix it there") from err
+    for number, line in enumerate(lines, start=1):
+        if line.strip() and not is_json(line):
+            raise DraftsmithError(f"{path}, line {number}: not valid JSON; fix that line (one JSON object per line)")
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def check_text_row(row: dict, where: str) -> None:
+    """``text`` mode takes a row with a ``text`` string or a ``messages`` list."""
+    if not row.get("messages") and not isinstance(row.get("text"), str):
+        keys = ", ".join(k for k, v in row.items() if v is not None)
+        raise DraftsmithError(f"{where}: text data rows need a 'text' string or a 'messages' list (the row has {keys})")
+
+
+def usable_rows(rows: datasets.Dataset, data: str, source: str, skip_bad_rows: bool) -> datasets.Dataset:
+    """``rows`` checked one by one before anything is built: the first bad one is an error naming its row
+    number, or with ``skip_bad_rows`` every bad one is left out and their count printed."""
+    bad = []
+    for index, row in enumerate(rows):
+        where = f"{source}, row {index} (counting from 0)"
+        try:
+            if data == "text":
+                check_text_row(row, where)
+            else:
+                parse_prompt_row(row, where, default_id=index)
+        except DraftsmithError as err:
+            if not skip_bad_rows:
+                raise DraftsmithError(f"{err}; fix the row, or pass skip_bad_rows=true to leave bad rows out") from err
+            bad.append(index)
+    if not bad:
+        return rows
+    print(f"{source}: skipped {len(bad)} bad row(s) of {len(rows)} (skip_bad_rows)", file=sys.stderr)
+    skipped = set(bad)
+    return rows.select([i for i in range(len(rows)) if i not in skipped])
 
 
 def encode_prompt_rows(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, source: str) -> list[list[int]]:

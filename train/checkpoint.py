@@ -131,19 +131,56 @@ RESUME_KEYS = (
 )
 
 
-def resume_point(run_dir: Path, cfg: DistillConfig) -> tuple[int, Path] | None:
-    """(step, folder) of the last complete checkpoint to resume from, after checking the config is compatible."""
+# Settings that shape the training itself: a resumed run with another value would mix two runs in one
+# metrics.jsonl, so a change is refused unless resume=force, and then recorded in RESUME_LOG.
+TRAINING_KEYS = (
+    "loss",
+    "loss_temperature",
+    "jsd_beta",
+    "loss_gamma",
+    "ce_weight",
+    "lr",
+    "weight_decay",
+    "warmup_steps",
+    "max_grad_norm",
+    "mixed_precision",
+    "teacher_dtype",
+    "gen_max_new_tokens",
+    "gen_temperature",
+    "gen_top_p",
+    "draft_model",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+)
+RESUME_LOG = "resume_log.jsonl"  # one record per forced resume: the step and the settings changed
+
+
+def changed_settings(saved: dict, current: dict, keys: tuple[str, ...]) -> dict[str, list]:
+    """{key: [saved value, current value]} for the ``keys`` that differ."""
+    return {k: [saved.get(k), current[k]] for k in keys if saved.get(k) != current[k]}
+
+
+def describe_changes(changes: dict[str, list]) -> str:
+    return ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+
+
+def resume_point(run_dir: Path, cfg: DistillConfig, record: bool = True) -> tuple[int, Path] | None:
+    """(step, folder) of the last complete checkpoint to resume from, after checking the config is compatible.
+
+    A changed training setting is refused unless ``cfg.resume == "force"``; forced, it is appended to
+    ``RESUME_LOG`` in the run folder when ``record`` (the main process).
+    """
     found = checkpoint_dirs(run_dir) if run_dir.is_dir() else []
     if not found:
         return None
     step, path = found[-1]
     saved = json.loads((path / MARKER).read_text())["config"]
     current = dataclasses.asdict(cfg)
-    diff = [k for k in RESUME_KEYS if saved.get(k) != current[k]]
-    if diff:
-        changes = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in diff)
+    fixed = changed_settings(saved, current, RESUME_KEYS)
+    if fixed:
         raise DraftsmithError(
-            f"{run_dir} holds a run made with a different config ({changes}); "
+            f"{run_dir} holds a run made with a different config ({describe_changes(fixed)}); "
             "use another output_dir, or the same settings to resume"
         )
     if step >= cfg.max_steps:
@@ -151,4 +188,13 @@ def resume_point(run_dir: Path, cfg: DistillConfig) -> tuple[int, Path] | None:
             f"{run_dir} already reached step {step} (max_steps={cfg.max_steps}); raise max_steps "
             "to train further or use another output_dir"
         )
+    training = changed_settings(saved, current, TRAINING_KEYS)
+    if training and cfg.resume != "force":
+        raise DraftsmithError(
+            f"{run_dir} was trained up to step {step} with other settings ({describe_changes(training)}); "
+            "use the same settings, another output_dir, or resume=force to continue with the new ones"
+        )
+    if training and record:
+        with (run_dir / RESUME_LOG).open("a") as f:
+            f.write(json.dumps({"step": step, "changed": training}) + "\n")
     return step, path

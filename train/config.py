@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class DistillConfig:
     data: str = "target"  # text | target
     dataset: str = "builtin"  # builtin, a local .jsonl/.json/.parquet/.txt, or a hub dataset
     dataset_split: str = "train"
+    skip_bad_rows: bool = False  # leave out rows without a usable prompt/text (counted) instead of stopping
     heldout: int = 8  # rows kept aside for the held-out acceptance rate
     max_length: int = 256
     gen_max_new_tokens: int = 96  # target mode: answer length
@@ -84,7 +86,9 @@ class DistillConfig:
     eval_limit: int = 4  # prompts used
     eval_max_new_tokens: int = 48
     eval_gammas: list = field(default_factory=lambda: [1, 2, 4])
-    device: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps | xpu
+    # resuming with a changed training setting (loss, lr, ...) is refused; force accepts it and records it
+    resume: str = "auto"  # auto | force
 
     def __post_init__(self) -> None:
         checks = [
@@ -137,6 +141,17 @@ class DistillConfig:
                 self.gen_samples == 1 or self.gen_temperature > 0,
                 "gen_samples > 1 needs gen_temperature > 0 (greedy answers would all be the same)",
             ),
+        ]
+        checks += [
+            (
+                re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None,
+                f"device must be auto, cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
+            ),
+            (
+                not Path(self.output_dir).is_file(),
+                f"output_dir {self.output_dir} is an existing file; give a folder path (new, or a run to resume)",
+            ),
+            (self.resume in ("auto", "force"), "resume must be auto or force"),
         ]
         for ok, message in checks:
             if not ok:

@@ -28,6 +28,7 @@ def build_examples(
     will face), the training prompts ``gen_samples`` answers each with the generation settings.
     """
     rows = ddata.load_rows(cfg.dataset, cfg.dataset_split)
+    rows = ddata.usable_rows(rows, cfg.data, cfg.dataset, cfg.skip_bad_rows)
     if len(rows) <= cfg.heldout:
         raise DraftsmithError(f"dataset {cfg.dataset} has {len(rows)} rows; need more than heldout={cfg.heldout}")
     rows = rows.shuffle(seed=cfg.seed)
@@ -91,9 +92,10 @@ def target_answers(
 class EpochSampler(Sampler[int]):
     """A shuffle whose order is a function of (seed, epoch) alone, so a resumed run sees the same data order.
 
-    Epoch e is the (e+1)-th ``randperm`` of a generator seeded with ``seed``: the order a
-    ``RandomSampler`` with that generator gives an uninterrupted run, without carrying the
-    generator's state across epochs (a resumed process starts from a fresh one).
+    Epoch e's order is the (e+1)-th permutation drawn from a generator seeded with ``seed``, each
+    preceded by one 64-bit draw: the draw torch's DataLoader makes from its generator for the
+    workers' base seed, so epoch 0 is the order of ``DataLoader(shuffle=True, generator=...)``.
+    Nothing is carried from one epoch to the next (a resumed process starts afresh).
     """
 
     def __init__(self, size: int, seed: int):
@@ -107,9 +109,10 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed)
-        for _ in range(self.epoch):
-            torch.randperm(self.size, generator=generator)
-        yield from torch.randperm(self.size, generator=generator).tolist()
+        for _ in range(self.epoch + 1):
+            torch.empty((), dtype=torch.int64).random_(generator=generator)
+            order = torch.randperm(self.size, generator=generator)  # (size,)
+        yield from order.tolist()
 
 
 def loaders(cfg: DistillConfig, train_examples: list[dict], heldout: list[dict], pad: int) -> tuple[DataLoader, ...]:

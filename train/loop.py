@@ -116,13 +116,12 @@ def setup(cfg: DistillConfig) -> Run:
     accelerator = make_accelerator(cfg, device)
     set_seed(cfg.seed)
     run_dir = Path(cfg.output_dir)
-    resume_from = checkpoint.resume_point(run_dir, cfg)
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / RUN_CONFIG)
+    resume_from = checkpoint.resume_point(run_dir, cfg, record=accelerator.is_main_process)
     target, tokenizer, draft = build_models(cfg, accelerator.device)
     train_examples, heldout_examples = build_examples(cfg, target, tokenizer, accelerator)
-    if accelerator.is_main_process:
+    if accelerator.is_main_process:  # the run folder only once the models and the data are good
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / RUN_CONFIG)
         draft_vocab.save_ranking(run_dir, draft_vocab.rank_tokens(train_examples))
     describe(accelerator, draft, target, len(train_examples))
 

@@ -6,6 +6,7 @@ Evaluation and publishing load a run's target from here too (``load_target``), w
 from __future__ import annotations
 
 import copy
+import difflib
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -63,6 +64,7 @@ def build_draft(cfg: DistillConfig, target: PreTrainedModel, tokenizer: PreTrain
         draft = EarlyExitDraft(target, early_exit_layers(cfg.draft_layers), adapter=cfg.early_exit_adapter)
         return draft.train()  # its shared layers, embeddings and head are the target's, frozen
     elif cfg.draft_init == "config":
+        check_draft_config(target.config, cfg.draft_config)
         draft = new_config_draft(target, cfg.draft_config)
     else:
         draft = load_model(cfg.draft_model, device, torch.float32)
@@ -74,6 +76,19 @@ def build_draft(cfg: DistillConfig, target: PreTrainedModel, tokenizer: PreTrain
     if cfg.lora_r:
         draft = add_lora(draft, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules)
     return draft
+
+
+def check_draft_config(target_config, overrides: dict) -> None:
+    """Refuse ``draft_config`` keys that the target's config class does not have (a typo would be ignored)."""
+    known = set(type(target_config)().to_dict()) | set(target_config.to_dict())
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise DraftsmithError(
+                f"draft_config: {key!r} is not a field of {type(target_config).__name__}; {hint}"
+                "fix the key (nested keys are the target's config fields, e.g. num_hidden_layers)"
+            )
 
 
 def early_exit_layers(layers: str) -> int:
