@@ -24,12 +24,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="also upload the folder to this repo")
     p.add_argument("--private", action="store_true", help="create the hub repo as private")
+    p.add_argument(
+        "--license",
+        default=None,
+        help="the model card's license (default: the built-in target's, e.g. apache-2.0, else 'other')",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    out = publish(Path(args.checkpoint), Path(args.out), args.overwrite)
+    out = publish(
+        Path(args.checkpoint), Path(args.out), overwrite=args.overwrite, repo_id=args.push_to_hub, license=args.license
+    )
     print(f"published draft: {out}")
     if args.push_to_hub:
         push(out, args.push_to_hub, args.private)

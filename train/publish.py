@@ -7,10 +7,12 @@ checkpoint's greedy output, so a published folder is always a complete, working 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
-import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from draftsmith.distill.early_exit import is_early_exit
 from draftsmith.specdec import draft_vocab
@@ -28,6 +30,8 @@ from draftsmith.train.speedup import BEST, REPORT
 GAMMA = 4  # draft tokens per round of an unmeasured draft (eval's default)
 # Hub ids of the built-in aliases, for the model card's base_model.
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# Their licenses, the card's default license field (a distilled draft carries its target's).
+LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0"}
 CHECK_PROMPTS = ["Write a haiku about the sea.", "What is 7 times 8?", "Name three colors."]
 
 
@@ -48,8 +52,13 @@ def resolve_checkpoint(path: Path) -> Path:
     return path
 
 
-def publish(ckpt: Path, out: Path, overwrite: bool = False) -> Path:
-    """Write checkpoint ``ckpt`` (or a run's best) to ``out`` with a model card; return ``out``."""
+def publish(
+    ckpt: Path, out: Path, overwrite: bool = False, repo_id: str | None = None, license: str | None = None
+) -> Path:
+    """Write checkpoint ``ckpt`` (or a run's best) to ``out`` with a model card; return ``out``.
+
+    repo_id: the hub repository the folder is going to (the card's usage names it; else ``out``).
+    license: the card's license field (default: the built-in target's, else "other")."""
     ckpt = resolve_checkpoint(ckpt)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DraftsmithError(f"{out} exists and is not empty; pass --overwrite to replace it")
@@ -71,7 +80,8 @@ def publish(ckpt: Path, out: Path, overwrite: bool = False) -> Path:
             # The head cut the measurement used: eval on the published folder drafts with it too.
             ranking = draft_vocab.load_ranking(run_dir, measured["draft_vocab"])
             draft_vocab.save_ranking(tmp, ranking)
-        (tmp / "README.md").write_text(model_card(cfg, ckpt, run_dir))
+        card = model_card(cfg, ckpt, run_dir, draft_ref=repo_id or str(out.resolve()), license=license)
+        card.save(tmp / "README.md")
         # The written folder must behave exactly like the checkpoint: same greedy tokens.
         prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in CHECK_PROMPTS]
         reloaded = load_model(str(tmp), device, torch.float32)
@@ -79,7 +89,14 @@ def publish(ckpt: Path, out: Path, overwrite: bool = False) -> Path:
         got, _ = target_generate(reloaded, prompts, 16)
         if got != expected:
             raise DraftsmithError(f"the written folder does not reproduce {ckpt}'s greedy output; nothing published")
+        readable_by_all(tmp)
     return out
+
+
+def readable_by_all(folder: Path) -> None:
+    """Folders 0755 and files 0644, as a published model is shared (the temporary folder starts 0700)."""
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 def measured_settings(run_dir: Path, ckpt: Path) -> dict:
@@ -93,26 +110,32 @@ def measured_settings(run_dir: Path, ckpt: Path) -> dict:
     return {"gamma": by_temp[first]["best_gamma"], "draft_vocab": report.get("draft_vocab") or 0, "measured": True}
 
 
-def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:
-    """The model card (README.md): hub metadata, how the draft was made, its measured speedup, usage."""
-    base_model = HUB_IDS.get(cfg.target, cfg.target)
-    meta = {
-        "base_model": base_model,
-        "library_name": "transformers",
-        "pipeline_tag": "text-generation",
-        "tags": ["speculative-decoding", "draft-model", "draftsmith", "distillation"],
-    }
+def is_hub_id(name: str) -> bool:
+    """``owner/name`` as the hub spells a repository, and not a local path."""
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
+
+
+def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path, draft_ref: str, license: str | None) -> ModelCard:
+    """The model card (README.md): hub metadata with the measured results as ``eval_results``, how the
+    draft was made, and usage that runs as written (gamma comes from the draft's generation config)."""
+    target = HUB_IDS.get(cfg.target, cfg.target)
     report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else None
     results = (report or {}).get("results", {}).get(ckpt.name, {})
+    data = ModelCardData(
+        base_model=target if is_hub_id(target) else None,
+        license=license or LICENSES.get(target, "other"),
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["speculative-decoding", "draft-model", "draftsmith", "distillation"],
+        model_name=f"draft model for {target}",
+        eval_results=_eval_results(report, results) if results else None,
+    )
     steps = json.loads((ckpt / checkpoint.MARKER).read_text())["step"]
+    made_of = "" if is_hub_id(target) else f" (the target is `{target}`, not a hub model)"
     lines = [
-        "---",
-        yaml.safe_dump(meta, sort_keys=False).strip(),
-        "---",
+        f"# Draft model for {target}",
         "",
-        f"# Draft model for {base_model}",
-        "",
-        f"A draft for speculative decoding with `{base_model}` as the target, distilled with draftsmith "
+        f"A draft for speculative decoding with `{target}` as the target{made_of}, distilled with draftsmith "
         f"(loss `{cfg.loss}`, data `{cfg.data}`, draft `{cfg.draft_init}`{_layers(cfg)}, {steps} steps). "
         "Speculative decoding keeps the target's output unchanged; the draft only makes it faster.",
         "",
@@ -123,8 +146,44 @@ def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path) -> str:
         lines += _measured(report, results)
     else:
         lines.append("Not measured yet: run `draftsmith eval-run` on the training run before publishing.")
-    gamma = next(iter(results.values()))["best_gamma"] if results else 4
-    return "\n".join(lines + _usage(base_model, gamma))
+    gamma = next(iter(results.values()))["best_gamma"] if results else GAMMA
+    text = "\n".join(lines + _usage(target, draft_ref, gamma))
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}")
+
+
+def _eval_results(report: dict, results: dict) -> list[EvalResult]:
+    """alpha, tau, speedup and gamma per temperature, with the hardware and dtype they were measured on."""
+    prompts = Path(report["prompts"]).stem
+    out = []
+    for temp, r in results.items():
+        args = {
+            "temperature": float(temp),
+            "gamma": r["best_gamma"],
+            "hardware": report["hardware"],
+            "dtype": report.get("dtype"),
+            "max_new_tokens": report["max_new_tokens"],
+            "draft_vocab": report.get("draft_vocab") or None,
+        }
+        for metric, value in (
+            ("acceptance_rate", r["acceptance_rate"]),
+            ("mean_accepted_tokens", r["mean_accepted_tokens"]),
+            ("speedup", r["speedup"]),
+            ("gamma", r["best_gamma"]),
+        ):
+            out.append(
+                EvalResult(
+                    task_type="text-generation",
+                    task_name="speculative decoding",
+                    dataset_type=prompts,
+                    dataset_name=prompts,
+                    metric_type=metric,
+                    metric_value=value,
+                    metric_name=f"{metric} (T={temp})",
+                    metric_config=f"temperature={temp}",
+                    metric_args=args,
+                )
+            )
+    return out
 
 
 def _layers(cfg: DistillConfig) -> str:
@@ -161,28 +220,30 @@ def _measured(report: dict, results: dict) -> list[str]:
     return lines
 
 
-def _usage(base_model: str, gamma: int) -> list[str]:
-    """How transformers and vLLM use the draft, at the gamma measured best."""
+def _usage(target: str, draft_ref: str, gamma: int) -> list[str]:
+    """How transformers and vLLM use the draft; transformers reads gamma from its generation config."""
     return [
         "",
         "## Usage",
         "",
-        "transformers (assisted generation):",
+        f"transformers (assisted generation; `generation_config.json` sets {gamma} draft tokens per round, "
+        "the constant schedule and no confidence cut):",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'target = AutoModelForCausalLM.from_pretrained("{base_model}")',
-        'draft = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO_OF_THIS_DRAFT")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{base_model}")',
+        f'target = AutoModelForCausalLM.from_pretrained("{target}")',
+        f'draft = AutoModelForCausalLM.from_pretrained("{draft_ref}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
         'inputs = tokenizer("Why is the sky blue?", return_tensors="pt")',
-        f"out = target.generate(**inputs, assistant_model=draft, num_assistant_tokens={gamma}, max_new_tokens=128)",
+        "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)",
+        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
         "```",
         "",
         "vLLM (draft-model speculative decoding):",
         "",
         "```python",
         "from vllm import LLM",
-        f'llm = LLM(model="{base_model}", speculative_config={{"model": "PATH_OR_REPO_OF_THIS_DRAFT", '
+        f'llm = LLM(model="{target}", speculative_config={{"model": "{draft_ref}", '
         f'"num_speculative_tokens": {gamma}}})',
         "```",
         "",

@@ -1,10 +1,12 @@
 """The published draft is the measured draft: its gamma and head cut travel with it, and eval uses them."""
 
 import json
+import stat
 from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
 from draftsmith.cli import main
@@ -13,6 +15,7 @@ from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.train.config import DistillConfig, load_config, load_run_config
 from draftsmith.train.loop import train
 from draftsmith.train.models import load_target
+from draftsmith.train.publish import is_hub_id
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -70,3 +73,38 @@ def test_eval_on_the_published_folder_uses_its_gamma_and_vocabulary(published, t
     assert main([*common, "--gamma", "2", "--draft-vocab", "0", "--json", str(tmp_path / "b.json")]) == 0
     report = json.loads((tmp_path / "b.json").read_text())
     assert (report["gamma"], report["gamma_source"], report["draft_vocab"]) == (2, "--gamma", 0)
+
+
+def test_model_card_carries_the_measured_results_as_metadata(published):
+    run_dir, draft_dir, _ = published
+    best = json.loads((run_dir / "best.json").read_text())
+    report = json.loads((run_dir / "speedup_report.json").read_text())
+    card = ModelCard.load(draft_dir / "README.md")
+    data = card.data
+    assert data.base_model is None  # the tiny target is no hub model: the text says what it is
+    assert "the target is `tiny`, not a hub model" in card.text
+    assert data.license == "other" and data.library_name == "transformers"
+    results = {r.metric_type: r for r in data.eval_results}
+    assert sorted(results) == ["acceptance_rate", "gamma", "mean_accepted_tokens", "speedup"]
+    assert results["acceptance_rate"].metric_value == pytest.approx(best["acceptance_rate"])
+    assert results["mean_accepted_tokens"].metric_value == pytest.approx(best["mean_accepted_tokens"])
+    assert results["speedup"].metric_value == pytest.approx(best["speedup"])
+    assert results["gamma"].metric_value == best["best_gamma"]
+    args = results["speedup"].metric_args
+    assert args["hardware"] == report["hardware"] and args["dtype"] == "float32" and args["draft_vocab"] == 12
+    assert args["temperature"] == 0.0 and args["gamma"] == best["best_gamma"]
+    # The usage runs as written: the draft's own path, no gamma argument (its generation config has it).
+    assert f'AutoModelForCausalLM.from_pretrained("{draft_dir.resolve()}")' in card.text
+    assert "target.generate(**inputs, assistant_model=draft, max_new_tokens=128)" in card.text
+    assert "num_assistant_tokens=" not in card.text
+
+
+def test_published_folder_has_normal_permissions(published):
+    _, draft_dir, _ = published
+    assert stat.S_IMODE(draft_dir.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in draft_dir.iterdir()} == {0o644}
+
+
+def test_hub_ids_are_told_from_local_names(tmp_path):
+    assert is_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert not is_hub_id("tiny") and not is_hub_id(str(tmp_path)) and not is_hub_id("/abs/path/model")
