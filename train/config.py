@@ -21,6 +21,7 @@ from draftsmith.distill.losses import LOSSES
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import write_text
 
+TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # report_to values
 RUN_CONFIG = "config.yaml"  # the resolved config inside every run folder
 
 
@@ -80,7 +81,8 @@ class DistillConfig:
     # bookkeeping
     save_steps: int = 50
     keep_last: int = 3
-    log_steps: int = 10
+    log_steps: int = 10  # held-out metrics, a console line and the trackers' record every this many steps
+    report_to: str = "none"  # none, or experiment trackers (accelerate log_with): tensorboard, wandb, trackio
     eval_speedup_steps: int = 0  # > 0: every this many steps, measure real speedup on eval_prompts (main process)
     eval_prompts: str = "builtin"  # prompts JSONL for that; builtin = distill/data/eval_prompts.jsonl
     eval_limit: int = 4  # prompts used
@@ -152,6 +154,10 @@ class DistillConfig:
                 f"output_dir {self.output_dir} is an existing file; give a folder path (new, or a run to resume)",
             ),
             (self.resume in ("auto", "force"), "resume must be auto or force"),
+            (
+                all(name in TRACKERS for name in self.report_to.split(",")),
+                f"report_to must be none or a comma-separated list of {', '.join(TRACKERS[1:])}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

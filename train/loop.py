@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import importlib.util
 import json
 import time
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from draftsmith.distill.draft_init import count_parameters
 from draftsmith.distill.losses import acceptance_probability, cross_entropy, token_losses
 from draftsmith.distill.on_policy import OnPolicyMixer, example_prompt
 from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.evaluate import measure_cost_ratio
 from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import eos_token_ids, resolve_device
@@ -66,6 +69,9 @@ class Run:
     window_loss: float = 0.0  # summed step losses since the last held-out record
     window_tokens: int = 0
     window_start: float = 0.0
+    grad_norm: float = 0.0  # the latest step's gradient norm, before clipping
+    started: float = 0.0  # when this process began training, and at which step
+    start_step: int = 0
 
 
 @dataclass
@@ -107,6 +113,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
     run.bar.close()
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
+    summarize(run)
     return Result(run.run_dir, run.step, run.last_metrics, run.accelerator.unwrap_model(run.draft))
 
 
@@ -154,7 +161,11 @@ def setup(cfg: DistillConfig) -> Run:
     else:
         start(run)
     run.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="distill", disable=not accelerator.is_main_process)
-    run.window_start = time.perf_counter()
+    if cfg.report_to != "none":
+        scalars = {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))}
+        accelerator.init_trackers("distill", config=scalars)
+    run.window_start = run.started = time.perf_counter()
+    run.start_step = run.step
     return run
 
 
@@ -164,8 +175,23 @@ def make_accelerator(cfg: DistillConfig, device: torch.device) -> Accelerator:
     AcceleratorState._reset_state()
     # The schedule counts optimizer steps; by default accelerate would advance it once per process.
     return Accelerator(
-        mixed_precision=mixed_precision(cfg, device), cpu=device.type == "cpu", step_scheduler_with_optimizer=False
+        mixed_precision=mixed_precision(cfg, device),
+        cpu=device.type == "cpu",
+        step_scheduler_with_optimizer=False,
+        log_with=trackers(cfg.report_to),
+        project_dir=cfg.output_dir,
     )
+
+
+def trackers(report_to: str) -> list[str] | None:
+    """accelerate's ``log_with`` for ``report_to``; a tracker that is not installed is refused by name."""
+    if report_to == "none":
+        return None
+    names = report_to.split(",")
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise DraftsmithError(f"report_to: {name} is not installed; pip install {name}, or drop it from report_to")
+    return names
 
 
 def describe(accelerator: Accelerator, draft, target, n_examples: int) -> None:
@@ -261,7 +287,7 @@ def train_step(run: Run, micro: list[dict]) -> tuple[float, int]:
             loss = distill_step_loss(cfg, run.draft, run.teacher, batch) * scale
             accelerator.backward(loss)
         step_loss += float(loss.detach()) / accelerator.num_processes
-    accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm)
+    run.grad_norm = float(accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm))
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -296,12 +322,41 @@ def log_heldout(run: Run) -> None:
         "loss": run.window_loss / (run.step % run.cfg.log_steps or run.cfg.log_steps),
         "lr": run.scheduler.get_last_lr()[0],
         "tokens_per_s": run.window_tokens / elapsed,
+        "grad_norm": run.grad_norm,
         **metrics,
     }
     if run.accelerator.is_main_process:
         log(run.run_dir / "metrics.jsonl", run.last_metrics)
+    if run.cfg.report_to != "none":
+        run.accelerator.log({k: v for k, v in run.last_metrics.items() if k != "step"}, step=run.step)
+    print0(run.accelerator, progress_line(run))
     run.bar.set_postfix(loss=f"{run.last_metrics['loss']:.4f}", alpha=f"{metrics['acceptance_rate']:.3f}")
     run.window_loss, run.window_tokens, run.window_start = 0.0, 0, time.perf_counter()
+
+
+def progress_line(run: Run) -> str:
+    """step, loss, alpha, tokens/s, lr and the time left at this process's pace so far."""
+    m, done = run.last_metrics, run.step - run.start_step
+    per_step = (time.perf_counter() - run.started) / max(done, 1)
+    eta = datetime.timedelta(seconds=round(per_step * (run.cfg.max_steps - run.step)))
+    return (
+        f"step {run.step}/{run.cfg.max_steps}: loss {m['loss']:.4f}, alpha {m['acceptance_rate']:.3f}, "
+        f"{m['tokens_per_s']:.0f} tokens/s, lr {m['lr']:.2e}, grad norm {m['grad_norm']:.3f}, ETA {eta}"
+    )
+
+
+def summarize(run: Run) -> None:
+    """The end of a run: the best held-out alpha so far and the command that measures real speedup next."""
+    if not run.accelerator.is_main_process:
+        return
+    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    best = max(records, key=lambda r: r["acceptance_rate"])
+    print0(
+        run.accelerator,
+        f"done: step {run.step}; best held-out alpha {best['acceptance_rate']:.3f} at step {best['step']} "
+        f"(step 0: {records[0]['acceptance_rate']:.3f}).\nnext: draftsmith eval-run {run.run_dir} "
+        "(measures each checkpoint's real speedup), then draftsmith publish CHECKPOINT --out FOLDER",
+    )
 
 
 @torch.no_grad()
