@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.limit is not None and args.limit < 1:
+        raise DraftsmithError(f"--limit must be >= 1 (prompts to use; leave it out for all), got {args.limit}")
     if args.batch_size < 1:
         raise DraftsmithError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts = read_prompts(args.prompts, all_turns=args.all_turns)[: args.limit]

@@ -7,6 +7,7 @@ not measured again.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from draftsmith.distill.draft_init import load_draft
@@ -37,6 +38,10 @@ def evaluate_run(
     """Measure the drafts of ``run_dir`` not yet in its report; return the report (``best`` names the best draft)."""
     if any(g < 1 for g in gammas):
         raise DraftsmithError(f"gammas must be >= 1, got {gammas}")
+    if limit is not None and limit < 1:
+        raise DraftsmithError(f"--limit must be >= 1 (prompts to use; leave it out for all), got {limit}")
+    if max_new_tokens < 1:
+        raise DraftsmithError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     cfg = load_run_config(run_dir)
     drafts = checkpoint.drafts_of_run(run_dir)
     if not drafts:
@@ -80,10 +85,21 @@ def evaluate_run(
                 seed=cfg.seed,
                 progress=progress,
             )
+            check_measured(result, name, max_new_tokens)
             report["results"].setdefault(name, {})[str(temp)] = {"step": step, **result}
             speedup.write_report(run_dir, report)
     report["best"] = speedup.write_report(run_dir, report)
     return report
+
+
+def check_measured(result: dict, name: str, max_new_tokens: int) -> None:
+    """Refuse a measurement without figures (no decoding rounds to time) before anything is written."""
+    figures = (result["speedup"], result["acceptance_rate"], result["cost_ratio_c"])
+    if any(x is None or math.isnan(x) for x in figures):
+        raise DraftsmithError(
+            f"{name}: nothing was measured at --max-new-tokens {max_new_tokens} (no speculative rounds to time); "
+            "raise --max-new-tokens (16 or more) or use more prompts; nothing was written for it"
+        )
 
 
 def measure(

@@ -7,6 +7,7 @@ checkpoint's greedy output, so a published folder is always a complete, working 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -38,7 +39,13 @@ CHECK_PROMPTS = ["Write a haiku about the sea.", "What is 7 times 8?", "Name thr
 def resolve_checkpoint(path: Path) -> Path:
     """A complete, standalone checkpoint folder; a run folder stands for its best checkpoint (eval-run's best.json)."""
     if (path / BEST).is_file():
-        path = path / json.loads((path / BEST).read_text())["checkpoint"]
+        best = json.loads((path / BEST).read_text()).get("checkpoint")
+        if not isinstance(best, str):
+            raise DraftsmithError(
+                f"{path / BEST} names no checkpoint (its eval-run measured nothing): run draftsmith eval-run "
+                "on the run again, or publish a checkpoint-*/ folder directly"
+            )
+        path = path / best
     if not path.is_dir():
         raise DraftsmithError(f"checkpoint not found: {path}")
     if is_early_exit(path):
@@ -60,6 +67,8 @@ def publish(
     repo_id: the hub repository the folder is going to (the card's usage names it; else ``out``).
     license: the card's license field (default: the built-in target's, else "other")."""
     ckpt = resolve_checkpoint(ckpt)
+    if out.exists() and not out.is_dir():
+        raise DraftsmithError(f"--out {out} is a file, not a folder: choose a folder path to write the draft to")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DraftsmithError(f"{out} exists and is not empty; pass --overwrite to replace it")
     run_dir = ckpt.parent
@@ -107,6 +116,12 @@ def measured_settings(run_dir: Path, ckpt: Path) -> dict:
     first = str(report["temperatures"][0]) if by_temp else None
     if first not in by_temp:
         return {"gamma": GAMMA, "draft_vocab": 0, "measured": False}
+    figures = [by_temp[first].get(k) for k in ("best_gamma", "speedup", "acceptance_rate")]
+    if any(x is None or math.isnan(x) for x in figures):
+        raise DraftsmithError(
+            f"{run_dir / REPORT} has no figures for {ckpt.name} (its eval-run measured nothing): run "
+            "draftsmith eval-run on the run again with more --max-new-tokens, then publish"
+        )
     return {"gamma": by_temp[first]["best_gamma"], "draft_vocab": report.get("draft_vocab") or 0, "measured": True}
 
 

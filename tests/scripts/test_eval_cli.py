@@ -102,6 +102,8 @@ def test_sampling_batched_all_turns(pair, prompts, tmp_path):
     [
         (["--gamma", "0"], "gamma must be an integer >= 1, got 0"),
         (["--confidence-threshold", "1.5"], "confidence threshold must be in [0, 1], got 1.5"),
+        (["--confidence-threshold", "5"], "confidence threshold must be in [0, 1], got 5"),
+        (["--limit", "0"], "--limit must be >= 1"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--temperature", "1", "--top-p", "1.5"], "top-p must be in (0, 1]"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),

@@ -108,3 +108,42 @@ def test_published_folder_has_normal_permissions(published):
 def test_hub_ids_are_told_from_local_names(tmp_path):
     assert is_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert not is_hub_id("tiny") and not is_hub_id(str(tmp_path)) and not is_hub_id("/abs/path/model")
+
+
+def one_line_error(capsys, message):
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_eval_run_that_measures_nothing_is_refused_and_writes_nothing(published, capsys):
+    run_dir = published[0]
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    args = ["eval-run", str(run_dir), "--prompts", PROMPTS, "--limit", "1", "--max-new-tokens", "2", "--no-progress"]
+    assert main(args) == 2
+    one_line_error(capsys, "nothing was measured at --max-new-tokens 2")
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert main(["eval-run", str(run_dir), *MEASURE, "--limit", "0"]) == 2
+    one_line_error(capsys, "--limit must be >= 1")
+
+
+def test_publish_refuses_a_file_as_out_and_a_run_measured_nothing(published, tmp_path, capsys):
+    import shutil
+
+    run_dir = published[0]
+    target = tmp_path / "a-file"
+    target.write_text("x")
+    assert main(["publish", str(run_dir), "--out", str(target)]) == 2
+    one_line_error(capsys, f"--out {target} is a file, not a folder")
+    assert target.read_text() == "x"
+    # A run whose eval-run measured nothing (as older versions wrote it): best.json without a checkpoint.
+    broken = tmp_path / "run"
+    shutil.copytree(run_dir, broken)
+    (broken / "best.json").write_text(json.dumps({"checkpoint": None}))
+    assert main(["publish", str(broken), "--out", str(tmp_path / "out")]) == 2
+    one_line_error(capsys, "best.json names no checkpoint (its eval-run measured nothing)")
+    report = json.loads((broken / "speedup_report.json").read_text())
+    report["results"]["checkpoint-2"]["0.0"]["speedup"] = float("nan")
+    (broken / "speedup_report.json").write_text(json.dumps(report))
+    assert main(["publish", str(broken / "checkpoint-2"), "--out", str(tmp_path / "out")]) == 2
+    one_line_error(capsys, "has no figures for checkpoint-2")
+    assert not (tmp_path / "out").exists()
