@@ -72,23 +72,39 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="train", help="split of a hub dataset or saved folder (default: train)")
     p.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (needs --temperature > 0)")
     p.add_argument("--temperature", type=float, default=0.7, help="answer temperature; 0 = greedy (default: 0.7)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="answer nucleus sampling (default: 1.0, off)")
+    p.add_argument("--top-k", type=int, default=0, help="answer top-k sampling (default: 0, off)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default: 256)")
-    p.add_argument("--prompt-temperature", type=float, default=1.0, help="--prompts self: (default: 1.0)")
-    p.add_argument("--prompt-top-p", type=float, default=0.95, help="--prompts self: (default: 0.95)")
-    p.add_argument("--prompt-max-tokens", type=int, default=128, help="--prompts self: longer ones are dropped")
+    p.add_argument(
+        "--prompt-temperature",
+        type=float,
+        default=1.0,
+        help="--prompts self: temperature of the writing (default: 1.0)",
+    )
+    p.add_argument(
+        "--prompt-top-p", type=float, default=0.95, help="--prompts self: top-p of the writing (default: 0.95)"
+    )
+    p.add_argument(
+        "--prompt-max-tokens",
+        type=int,
+        default=128,
+        help="--prompts self: a prompt still unfinished after this many tokens is dropped (default: 128)",
+    )
     p.add_argument(
         "--any-prompt-text",
         action="store_true",
         help="--prompts self: keep prompts that read as neither a question nor an instruction",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="fixes every sampled prompt and answer (default: 0)")
     p.add_argument("--batch-size", type=int, default=64, help="rows decoded together (default: 64)")
     p.add_argument("--shard-rows", type=int, default=256, help="rows per saved shard (default: 256)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
