@@ -390,6 +390,8 @@ def report_from_repeats(
         spec_tokens_per_s=spec_tps,
         speedup=spec_tps / target_tps,
         speedup_per_repeat=[r["speedup"] for r in per_repeat],
+        speedup_spread=spread([r["speedup"] for r in per_repeat]),
+        cost_ratio_c_spread=spread([r["cost_ratio_c"] for r in per_repeat]),
     )
     if report["predicted_speedup"]:
         report["efficiency"] = report["speedup"] / report["predicted_speedup"]
@@ -398,6 +400,13 @@ def report_from_repeats(
     if hf is not None:
         report.update(hf.report(gamma))
     return report
+
+
+def spread(values: list[float | None]) -> dict | None:
+    """Median, min and max of a figure over repeats (None when a repeat measured nothing)."""
+    if not values or any(v is None or math.isnan(v) for v in values):
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def format_table(report: dict) -> str:
@@ -423,6 +432,9 @@ def format_table(report: dict) -> str:
         f"gamma={report['gamma']} batch={report['batch_size']} temperature={report['temperature']} "
         f"repeats={report['repeats']} prompts={report['prompts']}"
     )
+    if report["repeats"] > 1 and report["speedup_spread"] is not None:
+        low, high = report["speedup_spread"]["min"], report["speedup_spread"]["max"]
+        lines.append(f"speedup over {report['repeats']} repeats: min {low:.2f}, max {high:.2f}")
     if report["greedy_match"] is not None:
         lines.append(f"greedy output identical to the target's: {report['greedy_match']:.0%} of prompts")
     if "hf_generate_tokens_per_s" in report:

@@ -74,10 +74,15 @@ def test_greedy_report(pair, prompts, tmp_path, capsys):
     assert 0 < report["acceptance_rate"] < 1
     assert 1 < report["mean_accepted_tokens"] <= 4
     assert len(report["speedup_per_repeat"]) == 2
+    spread = report["speedup_spread"]
+    assert spread["min"] == min(report["speedup_per_repeat"]) and spread["max"] == max(report["speedup_per_repeat"])
+    assert spread["min"] <= spread["median"] <= spread["max"]
+    assert report["cost_ratio_c_spread"]["min"] <= report["cost_ratio_c_spread"]["max"]
     assert report["batch_size"] == 1 and report["gamma"] == 3
     assert report["hf_drafted_per_round"] == 3.0  # transformers drafted at the same gamma, on stock models
     table = capsys.readouterr().out
     assert "overall" in table and "greedy output identical to the target's: 100% of prompts" in table
+    assert f"speedup over 2 repeats: min {spread['min']:.2f}, max {spread['max']:.2f}" in table
 
 
 def test_sampling_batched_all_turns(pair, prompts, tmp_path):
