@@ -33,17 +33,20 @@ BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
 EVAL_PROMPTS = Path(__file__).parent / "data" / "eval_prompts.jsonl"  # held out: never used for training
 
 
-def load_rows(source: str, split: str = "train") -> datasets.Dataset:
-    """Rows from ``builtin``, a local json/jsonl/parquet/text file, or a hub dataset name."""
+def load_rows(source: str, split: str = "train", config: str | None = None) -> datasets.Dataset:
+    """Rows from ``builtin``, a local json/jsonl/csv/parquet/text file, a ``save_to_disk`` folder, or a
+    hub dataset name (with its ``config`` name and ``split``)."""
     if source == "builtin":
         source = str(BUILTIN_PROMPTS)
     path = Path(source)
     suffix = path.suffix.lower()
+    if path.is_dir():
+        return saved_rows(path, split)
     if path.is_file():
-        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}.get(suffix)
+        kind = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}.get(suffix)
         if kind is None:
             raise DraftsmithError(
-                f"{source}: unsupported data file type {suffix!r}; use .jsonl, .json, .parquet or .txt"
+                f"{source}: unsupported data file type {suffix!r}; use .jsonl, .json, .csv, .parquet or .txt"
             )
         if kind == "json":
             check_json_file(path)
@@ -54,9 +57,22 @@ def load_rows(source: str, split: str = "train") -> datasets.Dataset:
     if path.suffix or source.startswith((".", "/", "~")):
         raise DraftsmithError(f"data file not found: {source}")
     try:
-        return datasets.load_dataset(source, split=split)
+        return datasets.load_dataset(source, config, split=split)
     except Exception as err:
-        raise DraftsmithError(f"could not load dataset {source!r} (split {split!r}): {err}") from err
+        raise DraftsmithError(f"could not load dataset {source!r} (config {config}, split {split!r}): {err}") from err
+
+
+def saved_rows(folder: Path, split: str) -> datasets.Dataset:
+    """The rows of a folder written by datasets' ``save_to_disk`` (a DatasetDict: its ``split``)."""
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except FileNotFoundError as err:
+        raise DraftsmithError(f"{folder} is a folder but not one written by datasets' save_to_disk") from err
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DraftsmithError(f"{folder} has no split {split!r}; it has {', '.join(loaded)} (set dataset_split)")
+        loaded = loaded[split]
+    return loaded
 
 
 def check_json_file(path: Path) -> None:

@@ -117,6 +117,8 @@ RESUME_KEYS = (
     "freeze_embeddings",
     "data",
     "dataset",
+    "dataset_config",
+    "max_samples",
     "max_length",
     "batch_size",
     "grad_accum",

@@ -42,8 +42,10 @@ class DistillConfig:
     freeze_embeddings: bool = True  # keep the embeddings and LM head shared with the target frozen
     # data
     data: str = "target"  # text | target
-    dataset: str = "builtin"  # builtin, a local .jsonl/.json/.parquet/.txt, or a hub dataset
+    dataset: str = "builtin"  # builtin, a .jsonl/.json/.csv/.parquet/.txt file, a save_to_disk folder, a hub dataset
     dataset_split: str = "train"
+    dataset_config: str | None = None  # a hub dataset's config name
+    max_samples: int | None = None  # use the first this many rows of the dataset at most
     skip_bad_rows: bool = False  # leave out rows without a usable prompt/text (counted) instead of stopping
     heldout: int = 8  # rows kept aside for the held-out acceptance rate
     max_length: int = 256
@@ -154,6 +156,7 @@ class DistillConfig:
                 f"output_dir {self.output_dir} is an existing file; give a folder path (new, or a run to resume)",
             ),
             (self.resume in ("auto", "force"), "resume must be auto or force"),
+            (self.max_samples is None or self.max_samples >= 1, "max_samples must be >= 1 (or left empty for all)"),
             (
                 all(name in TRACKERS for name in self.report_to.split(",")),
                 f"report_to must be none or a comma-separated list of {', '.join(TRACKERS[1:])}",

@@ -27,7 +27,9 @@ def build_examples(
     In ``target`` mode the held-out prompts get the target's greedy answers (what greedy decoding
     will face), the training prompts ``gen_samples`` answers each with the generation settings.
     """
-    rows = ddata.load_rows(cfg.dataset, cfg.dataset_split)
+    rows = ddata.load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config)
+    if cfg.max_samples is not None:
+        rows = rows.select(range(min(cfg.max_samples, len(rows))))
     rows = ddata.usable_rows(rows, cfg.data, cfg.dataset, cfg.skip_bad_rows)
     if len(rows) <= cfg.heldout:
         raise DraftsmithError(f"dataset {cfg.dataset} has {len(rows)} rows; need more than heldout={cfg.heldout}")

@@ -1,0 +1,48 @@
+"""Training data from the sources users have: a CSV file, a save_to_disk folder and its split, max_samples."""
+
+import csv
+
+import datasets
+
+from draftsmith.cli import main
+from draftsmith.train.config import config_path
+
+TINY = config_path("tiny")
+SMALL = ["heldout=4", "gen_max_new_tokens=8", "max_steps=1", "save_steps=1", "log_steps=1"]
+
+
+def prompts(count: int) -> list[dict]:
+    return [{"prompt": f"Count from {i} to {i + 3}.", "category": "math"} for i in range(count)]
+
+
+def training_sequences(out: str) -> int:
+    line = next(line for line in out.splitlines() if line.startswith("draft: "))
+    return int(line.split("; ")[-1].split()[0])
+
+
+def test_csv_file_capped_by_max_samples(tmp_path, capsys):
+    data = tmp_path / "prompts.csv"
+    with data.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["prompt", "category"])
+        writer.writeheader()
+        writer.writerows(prompts(16))
+    assert main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", f"dataset={data}", *SMALL]) == 0
+    assert training_sequences(capsys.readouterr().out) == 12  # 16 rows, 4 held out
+    args = [f"output_dir={tmp_path / 'capped'}", f"dataset={data}", "max_samples=10", *SMALL]
+    assert main(["distill", "--config", TINY, *args]) == 0
+    assert training_sequences(capsys.readouterr().out) == 6  # the first 10 rows, 4 held out
+
+
+def test_save_to_disk_folder_and_its_split(tmp_path, capsys):
+    folder = tmp_path / "saved"
+    splits = {"train": datasets.Dataset.from_list(prompts(9)), "test": datasets.Dataset.from_list(prompts(14))}
+    datasets.DatasetDict(splits).save_to_disk(str(folder))
+    args = [f"output_dir={tmp_path / 'run'}", f"dataset={folder}", "dataset_split=test", *SMALL]
+    assert main(["distill", "--config", TINY, *args]) == 0
+    assert training_sequences(capsys.readouterr().out) == 10  # the test split's 14 rows, 4 held out
+    assert (
+        main(["distill", "--config", TINY, f"output_dir={tmp_path / 'b'}", f"dataset={folder}", "dataset_split=dev"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{folder} has no split 'dev'; it has train, test (set dataset_split)" in err
