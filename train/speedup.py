@@ -76,6 +76,7 @@ def measure_draft(
         "target_tokens_per_s",
         "spec_tokens_per_s",
         "greedy_match",
+        "speedup_spread",
     )
     return {
         "temperature": temperature,
@@ -104,8 +105,8 @@ def write_report(run_dir: Path, report: dict) -> str | None:
     results = report["results"]
     first_temp = str(report["temperatures"][0])
     candidates = {name: r[first_temp] for name, r in results.items() if first_temp in r}
-    best = max(candidates, key=lambda n: candidates[n]["speedup"]) if candidates else None
-    report["best"] = best
+    best, note = choose_best(candidates) if candidates else (None, None)
+    report["best"], report["best_note"] = best, note
     write_text(run_dir / REPORT, json.dumps(report, indent=2))
     if best is not None:
         info = {"checkpoint": best, "temperature": float(first_temp), **candidates[best]}
@@ -113,6 +114,29 @@ def write_report(run_dir: Path, report: dict) -> str | None:
     write_text(run_dir / "speedup_report.md", _markdown(report))
     _plot(run_dir, report)
     return best
+
+
+def choose_best(candidates: dict[str, dict]) -> tuple[str, str | None]:
+    """The best draft: walking the drafts by step, a later one replaces the current choice only when
+    its lowest repeat beats the choice's highest (its lead exceeds the measured spread). Returns the
+    name and, when the highest median speedup was not chosen for that reason, a note saying so."""
+
+    def low_high(r: dict) -> tuple[float, float]:
+        s = r.get("speedup_spread")
+        return (s["min"], s["max"]) if s else (r["speedup"], r["speedup"])
+
+    order = sorted(candidates, key=lambda n: candidates[n]["step"])
+    best = order[0]
+    for name in order[1:]:
+        if low_high(candidates[name])[0] > low_high(candidates[best])[1]:
+            best = name
+    leader = max(order, key=lambda n: candidates[n]["speedup"])
+    if leader == best:
+        return best, None
+    return best, (
+        f"{leader} measured the highest speedup ({candidates[leader]['speedup']:.2f}) but within the spread over "
+        f"repeats of the earlier {best} ({candidates[best]['speedup']:.2f}), so {best} is kept"
+    )
 
 
 def _markdown(report: dict) -> str:
@@ -126,6 +150,8 @@ def _markdown(report: dict) -> str:
         "| draft | step | temperature | alpha | tau | c | best gamma | predicted | measured speedup | greedy match |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if report.get("best_note"):
+        lines[4:4] = [f"Best draft: {report['best']}. {report['best_note']}.", ""]
     for name, by_temp in sorted(report["results"].items(), key=lambda kv: kv[1][next(iter(kv[1]))]["step"]):
         for temp, r in by_temp.items():
             match = "-" if r["greedy_match"] is None else f"{r['greedy_match']:.0%}"
@@ -133,9 +159,17 @@ def _markdown(report: dict) -> str:
             lines.append(
                 f"| {name}{mark} | {r['step']} | {temp} | {r['acceptance_rate']:.3f} | "
                 f"{r['mean_accepted_tokens']:.2f} | {r['cost_ratio_c']:.3f} | {r['best_gamma']} | "
-                f"{r['predicted_speedup']:.2f} | {r['speedup']:.2f} | {match} |"
+                f"{r['predicted_speedup']:.2f} | {r['speedup']:.2f}{_range(r)} | {match} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _range(result: dict) -> str:
+    """`` (min-max)`` of the speedup over repeats, when they differ."""
+    spread = result.get("speedup_spread")
+    if not spread or spread["min"] == spread["max"]:
+        return ""
+    return f" ({spread['min']:.2f}-{spread['max']:.2f})"
 
 
 def _plot(run_dir: Path, report: dict) -> None:

@@ -1,0 +1,28 @@
+"""eval-run's best checkpoint: a later draft wins only when its lead exceeds the spread over repeats."""
+
+from draftsmith.train.speedup import choose_best
+
+
+def result(step, speedup, low, high):
+    return {"step": step, "speedup": speedup, "speedup_spread": {"median": speedup, "min": low, "max": high}}
+
+
+def test_a_lead_inside_the_spread_keeps_the_earlier_draft():
+    candidates = {
+        "initial": result(0, 0.90, 0.85, 0.95),
+        "checkpoint-2": result(2, 1.30, 1.10, 1.60),
+        "checkpoint-4": result(4, 1.45, 1.20, 1.70),  # highest median, but its min 1.20 < 1.60
+    }
+    best, note = choose_best(candidates)
+    assert best == "checkpoint-2"
+    assert note == (
+        "checkpoint-4 measured the highest speedup (1.45) but within the spread over repeats of the "
+        "earlier checkpoint-2 (1.30), so checkpoint-2 is kept"
+    )
+
+
+def test_a_clear_lead_wins_and_single_repeats_compare_their_values():
+    clear = {"initial": result(0, 1.0, 0.9, 1.1), "checkpoint-2": result(2, 1.5, 1.2, 1.8)}
+    assert choose_best(clear) == ("checkpoint-2", None)
+    single = {"initial": {"step": 0, "speedup": 1.2}, "checkpoint-2": {"step": 2, "speedup": 1.1}}
+    assert choose_best(single) == ("initial", None)
