@@ -102,9 +102,13 @@ def is_json(text: str) -> bool:
 
 def check_text_row(row: dict, where: str) -> None:
     """``text`` mode takes a row with a ``text`` string or a ``messages`` list."""
-    if not row.get("messages") and not isinstance(row.get("text"), str):
+    pair = isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str)
+    if not row.get("messages") and not isinstance(row.get("text"), str) and not pair:
         keys = ", ".join(k for k, v in row.items() if v is not None)
-        raise DraftsmithError(f"{where}: text data rows need a 'text' string or a 'messages' list (the row has {keys})")
+        raise DraftsmithError(
+            f"{where}: text data rows need a 'text' string, a 'messages' list or 'prompt' and 'completion' "
+            f"strings (the row has {keys})"
+        )
 
 
 def usable_rows(rows: datasets.Dataset, data: str, source: str, skip_bad_rows: bool) -> datasets.Dataset:
@@ -162,11 +166,15 @@ def _example(ids: list[int], is_target: list[int], max_length: int) -> dict | No
 
 
 def text_examples(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> list[dict]:
-    """``text`` mode: plain text rows count every token, chat rows only the assistant's."""
+    """``text`` mode: plain text rows count every token, chat and prompt-completion rows only the assistant's."""
     examples = []
     for row in rows:
         if row.get("messages"):
             example = chat_example(tokenizer, row["messages"], max_length)
+        elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+            # prompt-completion rows: the completion is the assistant's turn, only its tokens count
+            turns = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
+            example = chat_example(tokenizer, turns, max_length)
         elif isinstance(row.get("text"), str):
             ids = tokenizer(row["text"])["input_ids"]
             example = _example(ids, [1] * len(ids), max_length)

@@ -46,3 +46,17 @@ def test_save_to_disk_folder_and_its_split(tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{folder} has no split 'dev'; it has train, test (set dataset_split)" in err
+
+
+def test_prompt_completion_rows_train_on_the_completion_only():
+    from draftsmith.distill.data import chat_example, text_examples
+    from draftsmith.distill.tiny import tiny_target
+
+    _, tokenizer = tiny_target(num_hidden_layers=1, hidden_size=32)
+    rows = datasets.Dataset.from_list([{"prompt": "Name a color.", "completion": "Blue."}])
+    [example] = text_examples(rows, tokenizer, max_length=256)
+    turns = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]
+    assert example == chat_example(tokenizer, turns, 256)
+    ids, mask = example["input_ids"], example["loss_mask"]
+    predicted = tokenizer.decode([ids[t + 1] for t in range(len(ids) - 1) if mask[t]])
+    assert predicted.replace(" ", "") == "Blue.</s>"  # the completion and its end of turn (one token per char)
