@@ -28,7 +28,8 @@ $(STAMP): pyproject.toml Makefile
 quickstart: setup
 	$(VENV)/bin/draftsmith quickstart --output-dir quickstart
 
-test: setup
+# The suite includes tests against a real vLLM server, hence its environment.
+test: setup vllm
 	$(PY) -m pytest -q
 
 lint: setup
