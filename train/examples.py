@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -10,7 +11,7 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill import data as ddata
-from draftsmith.distill import teacher_cache
+from draftsmith.distill import dataset_builder, teacher_cache
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import draftsmith_home, eos_token_ids
 from draftsmith.specdec.sampling import SamplingParams
@@ -27,6 +28,8 @@ def build_examples(
     In ``target`` mode the held-out prompts get the target's greedy answers (what greedy decoding
     will face), the training prompts ``gen_samples`` answers each with the generation settings.
     """
+    if dataset_builder.read_manifest(Path(cfg.dataset)) is not None:
+        return built_examples(cfg)
     rows = ddata.load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config)
     if cfg.max_samples is not None:
         rows = rows.select(range(min(cfg.max_samples, len(rows))))
@@ -51,6 +54,27 @@ def build_examples(
             f"no usable {'held-out' if not held else 'training'} examples in {cfg.dataset} (rows with tokens to learn)"
         )
     return train_examples, held
+
+
+def built_examples(cfg: DistillConfig) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) examples of a dataset folder written by ``draftsmith data``: the target's
+    answers are already there, so nothing is generated. The first ``heldout`` rows after a seeded
+    shuffle are held out (their answers were sampled with the dataset's own settings)."""
+    folder = Path(cfg.dataset)
+    made_by = dataset_builder.read_manifest(folder)["settings"]["target"]
+    if made_by != cfg.target:
+        raise DraftsmithError(
+            f"{folder} holds answers of target {made_by!r}, not of {cfg.target!r}; distill with target={made_by} "
+            "or build a dataset with this target (draftsmith data --target ...)"
+        )
+    examples = dataset_builder.training_examples(folder, cfg.max_length)
+    if cfg.max_samples is not None:
+        examples = examples[: cfg.max_samples]
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    examples = [examples[i] for i in order]
+    if len(examples) <= cfg.heldout:
+        raise DraftsmithError(f"dataset {folder} has {len(examples)} usable rows; need more than heldout={cfg.heldout}")
+    return examples[cfg.heldout :], examples[: cfg.heldout]
 
 
 def generation(cfg: DistillConfig) -> SamplingParams:
