@@ -13,7 +13,6 @@ import stat
 import pytest
 import torch
 
-from draftsmith.distill.draft_init import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
@@ -32,12 +31,15 @@ from draftsmith.specdec.vllm_server import (
     HOST,
     Engine,
     check_port_free,
+    connect,
     find_engine,
+    free_port,
     group_alive,
     serve,
     server_arguments,
     server_environment,
 )
+from tests.helpers import first_layers
 
 QUESTIONS = ["Why is the sky blue?", "Write a haiku about autumn.", "What is 12 times 7?"]
 MAX_TOKENS = 24
@@ -128,6 +130,12 @@ def test_a_port_in_use_is_refused():
 # --- a real vLLM server ----------------------------------------------------------------------------
 
 
+def test_a_url_where_no_server_answers_is_a_clear_error():
+    url = f"http://{HOST}:{free_port()}"
+    with pytest.raises(DraftsmithError, match=f"no vLLM server answers at {url}/v1/models"):
+        connect(url)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """The bundled decoder on one thread, as the servers: two OpenMP threads crawl on a machine other jobs load."""
@@ -161,7 +169,7 @@ def draft(default, tmp_path_factory):
     """The target's first 2 layers (untrained), and the model folder vLLM loads it from."""
     model, tokenizer, *_ = default
     folder = tmp_path_factory.mktemp("draft-2-layers")
-    draft = truncate_target(model, 2)
+    draft = first_layers(model, 2)
     draft.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return draft, folder
@@ -193,6 +201,14 @@ def test_greedy_output_equals_the_bundled_decoders_one_by_one_and_batched(target
     assert [a.token_ids for a in batched] == reference
     assert seconds > 0
     assert read_spec_counters(target_server) == SpecCounters()  # no draft, no counters
+
+
+@pytest.mark.vllm
+def test_a_running_server_is_reached_by_its_url(target_server, default):
+    server = connect(target_server.url + "/")
+    assert (server.url, server.model_name, server.process) == (target_server.url, target_server.model_name, None)
+    *_, prompts, _, reference = default
+    assert complete(server, prompts[0], MAX_TOKENS).token_ids == reference[0]
 
 
 @pytest.fixture(scope="module")
