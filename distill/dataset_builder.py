@@ -11,8 +11,9 @@ Every file and shard is written under a temporary name and renamed when complete
 at any point keeps every finished shard and nothing half-written. Building again into the same folder
 continues: rows already present (by prompt id and sample number) are not made again, and asking for
 more prompts or samples adds rows. The settings that decide what a row holds (target, dtype,
-sampling, seed, max_new_tokens, prompt source) are fixed by the first build; a build with another
-value is refused, naming the field, so a dataset never mixes rows made two ways.
+sampling, seed, max_new_tokens, prompt source, and the engine that generated: draftsmith's own
+decoder or vLLM, see ``engines``) are fixed by the first build; a build with another value is
+refused, naming the field, so a dataset never mixes rows made two ways.
 
 With several processes (``accelerate launch``) each process answers a disjoint share of the prompts
 (every N-th) and writes its own shards; the main process writes the manifest.
@@ -37,9 +38,10 @@ from pathlib import Path
 import datasets
 import pyarrow.compute as pc
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from draftsmith.distill.data import target_examples
+from draftsmith.distill.engines import GenerationEngine
 from draftsmith.distill.prompt_filters import Deduplicator, PromptFilter
 from draftsmith.distill.prompt_sources import PromptRecord
 from draftsmith.distill.self_prompts import (
@@ -49,7 +51,7 @@ from draftsmith.distill.self_prompts import (
     topic_shares,
     write_prompt_round,
 )
-from draftsmith.specdec.continuous import Progress, stream_generate
+from draftsmith.specdec.continuous import Progress
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.prompts import encode_chat
@@ -70,6 +72,7 @@ class BuildSettings:
     seed: int
     max_new_tokens: int
     prompt_source: dict  # what identifies the prompts: kind, path or hub id, self-prompt settings
+    engine: str = "draftsmith"  # what generated prompts and answers: draftsmith (the bundled decoder) or vllm
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,7 +135,8 @@ def check_settings(folder: Path, settings: BuildSettings) -> dict | None:
         if folder.is_dir() and any(folder.iterdir()):
             raise DraftsmithError(f"{folder} exists and is not a draftsmith dataset (no {MANIFEST}); choose another")
         return None
-    old, new = manifest["settings"], settings.to_dict()
+    # Datasets from before engines were recorded were all made by the bundled decoder.
+    old, new = {"engine": "draftsmith", **manifest["settings"]}, settings.to_dict()
     name = changed_field(old, new)
     if name is not None:
         raise DraftsmithError(
@@ -142,14 +146,15 @@ def check_settings(folder: Path, settings: BuildSettings) -> dict | None:
     return manifest
 
 
-def open_dataset(folder: Path, settings: BuildSettings, group: ProcessGroup) -> dict:
+def open_dataset(folder: Path, settings: BuildSettings, group: ProcessGroup, engine: dict) -> dict:
     """Create the dataset folder, or check that an existing one was made with the same settings.
 
     Returns the manifest. The main process removes temporaries a killed build left behind.
+    engine: the generating engine's description, recorded as this build's.
     """
     folder = Path(folder)
     manifest = check_settings(folder, settings) or {"settings": settings.to_dict(), "seconds": 0.0}
-    manifest["complete"] = False  # until this build finishes
+    manifest.update(settings=settings.to_dict(), engine=engine, complete=False)  # complete once this build ends
     group.barrier()  # every process has read the folder before the main process writes to it
     if group.is_main:
         for stale in folder.glob("**/.*.tmp"):
@@ -257,12 +262,11 @@ def next_round(folder: Path) -> int:
 
 def self_prompts(
     folder: Path,
-    model: PreTrainedModel,
+    engine: GenerationEngine,
     tokenizer: PreTrainedTokenizerBase,
     eos_ids: frozenset[int],
     request: SelfPromptRequest,
     seed: int,
-    batch_size: int,
     group: ProcessGroup,
     progress: bool = True,
     max_idle_rounds: int = 3,
@@ -291,7 +295,7 @@ def self_prompts(
         number = next_round(folder)
         callback, close = token_bar(f"writing prompts, round {number}", progress and group.is_main)
         result = write_prompt_round(
-            model,
+            engine,
             tokenizer,
             mine,
             request.settings,
@@ -300,7 +304,6 @@ def self_prompts(
             request.filters,
             seed,
             tag=f"{number}-{group.index}",
-            batch_size=batch_size,
             oversample=oversample,
             on_progress=callback,
         )
@@ -362,13 +365,12 @@ def answer_row(tokenizer, record: PromptRecord, sample: int, prompt_ids, answer_
 
 def answer_prompts(
     folder: Path,
-    model: PreTrainedModel,
+    engine: GenerationEngine,
     tokenizer: PreTrainedTokenizerBase,
     eos_ids: frozenset[int],
     prompts: list[PromptRecord],
     settings: BuildSettings,
     samples_per_prompt: int,
-    batch_size: int,
     shard_rows: int,
     group: ProcessGroup,
     progress: bool = True,
@@ -380,8 +382,7 @@ def answer_prompts(
     which process made it or on what shared its batch. Returns the rows this process wrote.
     """
     sampling = SamplingParams(**settings.sampling)
-    context = model.config.get_text_config(decoder=True).max_position_embeddings
-    encoded, too_long = encode_prompts(tokenizer, prompts, settings.max_new_tokens, context)
+    encoded, too_long = encode_prompts(tokenizer, prompts, settings.max_new_tokens, engine.context)
     if too_long and group.is_main:
         print(f"left out {too_long} prompt(s) longer than the context allows with max_new_tokens", file=sys.stderr)
     done = done_keys(folder)
@@ -396,13 +397,11 @@ def answer_prompts(
     seeds = [derived_seed(settings.seed, record.id, sample) for record, sample in mine]
     callback, close = token_bar("answering", progress and group.is_main)
     buffer, written = [], 0
-    for index, answer in stream_generate(
-        model,
+    for index, answer in engine.stream(
         [encoded[record.id] for record, _ in mine],
         settings.max_new_tokens,
         sampling=sampling,
-        eos_ids=eos_ids,
-        batch_size=batch_size,
+        stop_ids=eos_ids,
         seeds=None if sampling.greedy else seeds,
         on_progress=callback,
     ):
@@ -448,13 +447,12 @@ def finish_dataset(folder: Path, manifest: dict, request: dict, seconds: float, 
 
 def build_dataset(
     folder: Path,
-    model: PreTrainedModel,
+    engine: GenerationEngine,
     tokenizer: PreTrainedTokenizerBase,
     eos_ids: frozenset[int],
     settings: BuildSettings,
     prompts: list[PromptRecord] | SelfPromptRequest,
     samples_per_prompt: int = 1,
-    batch_size: int = 64,
     shard_rows: int = 256,
     group: ProcessGroup | None = None,
     progress: bool = True,
@@ -462,9 +460,12 @@ def build_dataset(
     """Build (or continue, or extend) the dataset in ``folder``; return its manifest.
 
     prompts: the prompts to answer, or a request for prompts the target writes itself (then written
-    first, into ``folder/prompts``). ``settings.prompt_source`` must describe them.
+    first, into ``folder/prompts``). ``settings.prompt_source`` must describe them, and
+    ``settings.engine`` name ``engine``.
     """
     group = group or ProcessGroup()
+    if settings.engine != engine.name:
+        raise DraftsmithError(f"settings name engine {settings.engine!r} but {engine.name!r} generates; give the same")
     if samples_per_prompt < 1:
         raise DraftsmithError(f"--samples-per-prompt must be >= 1, got {samples_per_prompt}")
     if samples_per_prompt > 1 and settings.sampling["temperature"] == 0:
@@ -472,21 +473,20 @@ def build_dataset(
             "greedy answers are all the same: more than one sample per prompt needs --temperature > 0"
         )
     started = time.perf_counter()
-    manifest = open_dataset(folder, settings, group)
+    manifest = open_dataset(folder, settings, group, engine.describe())
     if isinstance(prompts, SelfPromptRequest):
         request = {"num_prompts": prompts.count, "samples_per_prompt": samples_per_prompt}
-        prompts = self_prompts(folder, model, tokenizer, eos_ids, prompts, settings.seed, batch_size, group, progress)
+        prompts = self_prompts(folder, engine, tokenizer, eos_ids, prompts, settings.seed, group, progress)
     else:
         request = {"num_prompts": len(prompts), "samples_per_prompt": samples_per_prompt}
     answer_prompts(
         folder,
-        model,
+        engine,
         tokenizer,
         eos_ids,
         prompts,
         settings,
         samples_per_prompt,
-        batch_size=batch_size,
         shard_rows=shard_rows,
         group=group,
         progress=progress,

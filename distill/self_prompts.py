@@ -21,11 +21,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from draftsmith.distill.engines import GenerationEngine
 from draftsmith.distill.prompt_filters import Deduplicator, PromptFilter, normalized
 from draftsmith.distill.prompt_sources import PromptRecord
-from draftsmith.specdec.continuous import Progress, stream_generate
+from draftsmith.specdec.continuous import Progress
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.sampling import SamplingParams
 
@@ -122,7 +123,7 @@ class RoundResult:
 
 
 def write_prompt_round(
-    model: PreTrainedModel,
+    engine: GenerationEngine,
     tokenizer: PreTrainedTokenizerBase,
     need: dict[str, int],
     settings: SelfPromptSettings,
@@ -131,7 +132,6 @@ def write_prompt_round(
     filters: PromptFilter,
     seed: int,
     tag: str,
-    batch_size: int = 64,
     oversample: float = 1.25,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> RoundResult:
@@ -140,6 +140,8 @@ def write_prompt_round(
     Candidates are judged in a fixed order (topic, then number), each sampled with its own seed from
     ``seed`` and ``tag`` (which must differ between rounds and processes), so a round's outcome
     does not depend on batching. ``dedup`` holds every prompt kept before and learns the new ones.
+    The engine (the bundled decoder or vLLM) completes the bare user-turn opening as a plain
+    completion prompt and stops at the end of the turn or an EOS id.
     """
     turns = {topic: user_turn(tokenizer, TOPICS.get(topic)) for topic in need}
     plan = [(topic, k) for topic, n in need.items() for k in range(math.ceil(n * oversample) if n > 0 else 0)]
@@ -147,13 +149,11 @@ def write_prompt_round(
         return RoundResult([], 0, Counter())
     stops = frozenset(eos_ids).union(*(turn.end_ids for turn in turns.values()))
     written = dict(
-        stream_generate(
-            model,
+        engine.stream(
             [turns[topic].prefix_ids for topic, _ in plan],
             settings.max_tokens,
             sampling=settings.sampling(),
-            eos_ids=stops,
-            batch_size=batch_size,
+            stop_ids=stops,
             seeds=[derived_seed(seed, tag, topic, k) for topic, k in plan],
             on_progress=on_progress,
         )

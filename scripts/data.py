@@ -2,15 +2,18 @@
 
 Prompts come from the target itself (``--prompts self``: it writes user messages, optionally steered
 to topics), the built-in prompt set, a local json/jsonl/csv/parquet file or ``save_to_disk`` folder,
-or a hub dataset. The target answers them with continuous batching. The folder is resumable: run the
-same command again after an interruption and it continues; ask for more prompts or samples and it
-adds rows; change a setting that decides what a row holds and it refuses.
+or a hub dataset. The target answers them with continuous batching, in draftsmith's own decoder or in
+a vLLM server (--engine vllm), into the same dataset format. The folder is resumable: run the same
+command again after an interruption and it continues; ask for more prompts or samples and it adds
+rows; change a setting that decides what a row holds (the engine included) and it refuses.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -24,19 +27,24 @@ from draftsmith.distill.dataset_builder import (
     check_settings,
     sampling_settings,
 )
+from draftsmith.distill.engines import BundledEngine, GenerationEngine, VllmEngine
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, source_settings
 from draftsmith.distill.self_prompts import TOPICS, SelfPromptSettings
+from draftsmith.options import check_engine_options, engine_options
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import (
     DEFAULT_TARGET,
     eos_token_ids,
     load_model,
     load_tokenizer,
+    model_eos_token_ids,
     resolve_device,
     resolve_dtype,
 )
 from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.vllm_client import served_model
+from draftsmith.specdec.vllm_server import connect, serve
 
 EPILOG = f"""prompt sources (--prompts):
   self       the target writes user messages itself (--num-prompts of them; --topics to steer the mix)
@@ -52,13 +60,18 @@ examples:
   draftsmith data --prompts builtin --samples-per-prompt 8 --temperature 0.7 --output data/smol-builtin
   draftsmith data --prompts questions.csv --column-map prompt=question --output data/q
   accelerate launch -m draftsmith.cli data --prompts self --num-prompts 100000 --output data/big
+  draftsmith data --engine vllm --prompts self --num-prompts 20000 --samples-per-prompt 4 --output data/v
 
 The folder holds manifest.json and shards/ (datasets folders); `distill` trains from it by path."""
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="draftsmith data", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="draftsmith data",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[engine_options("what writes the prompts and answers")],
     )
     p.add_argument("--output", required=True, help="dataset folder (created, or continued when it exists)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
@@ -96,7 +109,12 @@ def parser() -> argparse.ArgumentParser:
         help="--prompts self: keep prompts that read as neither a question nor an instruction",
     )
     p.add_argument("--seed", type=int, default=0, help="fixes every sampled prompt and answer (default: 0)")
-    p.add_argument("--batch-size", type=int, default=64, help="rows decoded together (default: 64)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="rows decoded together; with --engine vllm, requests in flight (default: 64)",
+    )
     p.add_argument("--shard-rows", type=int, default=256, help="rows per saved shard (default: 256)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
     p.add_argument(
@@ -131,6 +149,39 @@ def prompt_plan(args: argparse.Namespace) -> tuple[list | SelfPromptRequest, dic
     return prompts, source_settings(args.prompts, args.dataset_config, args.split, column_map)
 
 
+@contextmanager
+def generation_engine(
+    args: argparse.Namespace, device, dtype, tokenizer
+) -> Iterator[tuple[GenerationEngine, frozenset[int]]]:
+    """The engine that generates, for the ``with`` block, and the target's EOS ids.
+
+    --engine vllm starts a server of the target (the same dtype; prefix caching on, so a prompt's
+    samples share its prefill) and stops it afterwards, or uses the running one at --engine-url.
+    """
+    if args.engine == "draftsmith":
+        model = load_model(args.target, device, dtype)
+        yield BundledEngine(model, args.batch_size), eos_token_ids(model, tokenizer)
+        return
+    eos = model_eos_token_ids(args.target, tokenizer)
+    if args.engine_url is not None:
+        server = connect(args.engine_url)
+        yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
+        return
+    options = {"threads": args.engine_threads, "eager": args.engine_eager, "prefix_caching": True}
+    with serve(
+        args.target, dtype=str(dtype).removeprefix("torch."), device=str(device), seed=args.seed, **options
+    ) as server:
+        yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
+
+
+def engine_dtype(args: argparse.Namespace, dtype) -> str:
+    """The dtype a dataset records: the one the target runs in, or for a user's server what --dtype says
+    it runs (else "server's own": draftsmith cannot ask it)."""
+    if args.engine == "vllm" and args.engine_url is not None:
+        return args.dtype or "server's own"
+    return str(dtype).removeprefix("torch.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     datasets.disable_progress_bars()  # one bar, in tokens/s, is shown instead of one per saved shard
@@ -139,9 +190,15 @@ def main(argv: list[str] | None = None) -> int:
             raise DraftsmithError(f"{flag} must be >= 1, got {value}")
     if args.max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_engine_options(args)
     device = resolve_device(args.device)
     state = PartialState(cpu=device.type == "cpu")  # several CPU processes talk over gloo
     group = ProcessGroup(state.process_index, state.num_processes, state.wait_for_everyone)
+    if args.engine == "vllm" and state.num_processes > 1:
+        raise DraftsmithError(
+            "--engine vllm runs as one process: vLLM spreads the work over GPUs itself "
+            "(start a server with --data-parallel-size or --tensor-parallel-size and pass --engine-url)"
+        )
     if state.num_processes > 1 and device.type == "cuda":
         device = state.device  # this process's own GPU
     dtype = resolve_dtype(args.dtype, device)
@@ -149,29 +206,29 @@ def main(argv: list[str] | None = None) -> int:
     prompts, source = prompt_plan(args)
     settings = BuildSettings(
         target=args.target,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=engine_dtype(args, dtype),
         sampling=sampling_settings(sampling),
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         prompt_source=source,
+        engine=args.engine,
     )
     output = Path(args.output)
     check_settings(output, settings)  # before the model loads: a refused build fails at once
     tokenizer = load_tokenizer(args.target)
-    model = load_model(args.target, device, dtype)
-    manifest = build_dataset(
-        output,
-        model,
-        tokenizer,
-        eos_token_ids(model, tokenizer),
-        settings,
-        prompts,
-        samples_per_prompt=args.samples_per_prompt,
-        batch_size=args.batch_size,
-        shard_rows=args.shard_rows,
-        group=group,
-        progress=not args.no_progress,
-    )
+    with generation_engine(args, device, dtype, tokenizer) as (engine, eos_ids):
+        manifest = build_dataset(
+            output,
+            engine,
+            tokenizer,
+            eos_ids,
+            settings,
+            prompts,
+            samples_per_prompt=args.samples_per_prompt,
+            shard_rows=args.shard_rows,
+            group=group,
+            progress=not args.no_progress,
+        )
     if group.is_main:
         counts = manifest["counts"]
         print(

@@ -82,3 +82,46 @@ def parse_list(text: str, kind, name: str) -> list:
     if not values:
         raise DraftsmithError(f"--{name} is empty")
     return values
+
+
+def engine_options(what: str) -> argparse.ArgumentParser:
+    """--engine, --engine-url, --engine-threads, --engine-eager: draftsmith's own decoder, or vLLM.
+
+    what: what the engine does in this command (the help text's subject).
+    """
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--engine",
+        choices=("draftsmith", "vllm"),
+        default="draftsmith",
+        help=f"{what}: draftsmith (the bundled decoder) or vllm, a vLLM server started for this command from the "
+        "environment `make vllm` installs (.venv-vllm, or $DRAFTSMITH_VLLM), or the one at --engine-url "
+        "(default: draftsmith)",
+    )
+    p.add_argument(
+        "--engine-url", default=None, help="--engine vllm: a running vLLM server to use (e.g. http://127.0.0.1:8000)"
+    )
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="--engine vllm on a CPU: threads of the server started (default: every core this process may use)",
+    )
+    p.add_argument(
+        "--engine-eager",
+        action="store_true",
+        help="--engine vllm: start the server without torch.compile (starts in seconds, decodes somewhat slower)",
+    )
+    return p
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """The vLLM-only options need --engine vllm; a URL names a server that is already running."""
+    if args.engine != "vllm":
+        for flag, value in (("--engine-url", args.engine_url), ("--engine-threads", args.engine_threads)):
+            if value is not None:
+                raise DraftsmithError(f"{flag} applies to --engine vllm")
+        if args.engine_eager:
+            raise DraftsmithError("--engine-eager applies to --engine vllm")
+    elif args.engine_url is not None and (args.engine_threads is not None or args.engine_eager):
+        raise DraftsmithError("--engine-threads and --engine-eager start a server; --engine-url names a running one")

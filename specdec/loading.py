@@ -17,7 +17,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from draftsmith.specdec.errors import DraftsmithError
 
@@ -214,7 +221,22 @@ def check_compatible(
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Every EOS id of the model's generation config, plus the tokenizer's own."""
-    ids = model.generation_config.eos_token_id
+    return generation_eos_ids(model.generation_config, tokenizer)
+
+
+def model_eos_token_ids(spec: str, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """``eos_token_ids`` of a model spec without loading its weights (for a model another engine runs)."""
+    path = resolve_model(spec)
+    try:
+        config = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: from_pretrained of the model derives it from config.json
+        config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    return generation_eos_ids(config, tokenizer)
+
+
+def generation_eos_ids(config: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The EOS ids of a generation config, plus the tokenizer's own."""
+    ids = config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)

@@ -3,7 +3,10 @@
 Completions go to the OpenAI-compatible ``/v1/completions`` with the prompt as token ids (so the
 prompt is exactly what the bundled decoder sees, chat template included) and ``return_token_ids``,
 so the answer comes back as token ids, not as text to re-tokenize. A batch is that many requests in
-flight at once (vLLM batches them continuously); batch size 1 sends them one after another.
+flight at once (vLLM batches them continuously); batch size 1 sends them one after another. The
+answer keeps the token that stopped it (an EOS id or one of ``stop_token_ids``), as the bundled
+decoder's answers do. ``prompt_logprobs=k`` also returns, at every prompt position, the ``k`` most
+likely tokens and their log-probabilities (the server must allow ``k``: ``--max-logprobs``).
 
 Acceptance comes from the engine's own counters on ``/metrics`` (Prometheus text):
 ``vllm:spec_decode_num_drafts_total`` (verification rounds), ``..._num_draft_tokens_total``
@@ -35,6 +38,8 @@ class Completion:
     token_ids: list[int]
     finish_reason: str  # "stop" (an EOS or stop token) or "length" (max_tokens reached)
     seconds: float
+    # With prompt_logprobs=k: per prompt position after the first, (token ids, log-probs), most likely first
+    prompt_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 @dataclass
@@ -100,11 +105,15 @@ def complete(
     sampling: SamplingParams = SamplingParams(),
     seed: int | None = None,
     timeout: float = 600.0,
+    stop_token_ids: list[int] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Completion:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids, or text the server tokenizes).
 
     Greedy when ``sampling.temperature == 0``; generation stops at the model's EOS ids as in the
-    bundled decoder. seed: a per-request seed for sampling (None: the server's random state).
+    bundled decoder, and at ``stop_token_ids`` (kept in the answer). seed: a per-request seed for
+    sampling (None: the server's random state). prompt_logprobs: also return the top-k
+    log-probabilities of every prompt position (``Completion.prompt_logprobs``).
     """
     body = {
         "model": server.model_name,
@@ -117,11 +126,50 @@ def complete(
     }
     if seed is not None:
         body["seed"] = seed
+    if stop_token_ids:
+        body["stop_token_ids"] = list(stop_token_ids)
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
     start = time.perf_counter()
     answer = _post_json(f"{server.url}/v1/completions", body, timeout)
     seconds = time.perf_counter() - start
     choice = answer["choices"][0]
-    return Completion(token_ids=list(choice["token_ids"]), finish_reason=choice["finish_reason"], seconds=seconds)
+    return Completion(
+        token_ids=list(choice["token_ids"]),
+        finish_reason=choice["finish_reason"],
+        seconds=seconds,
+        prompt_logprobs=None if prompt_logprobs is None else top_logprobs(choice["prompt_logprobs"], prompt_logprobs),
+    )
+
+
+def top_logprobs(positions: list[dict | None], k: int) -> list[tuple[list[int], list[float]]]:
+    """The ``k`` most likely tokens per prompt position, most likely first, from vLLM's ``prompt_logprobs``.
+
+    vLLM gives each position a dict {token id (text): {"logprob", "rank", ...}} holding the top k and
+    also the prompt's own token (whatever its rank); the first position, which nothing predicts, is
+    None and left out.
+    """
+    tops = []
+    for entries in positions[1:]:
+        ranked = sorted((entry["rank"], int(token)) for token, entry in entries.items() if entry["rank"] <= k)
+        tops.append(([token for _, token in ranked], [entries[str(token)]["logprob"] for _, token in ranked]))
+    return tops
+
+
+def served_model(server: Server) -> dict:
+    """What the server says of its model (``/v1/models``): its id, root folder and ``max_model_len``."""
+    try:
+        return json.loads(http_get(f"{server.url}/v1/models"))["data"][0]
+    except (OSError, ValueError, KeyError, IndexError) as err:
+        raise DraftsmithError(f"could not read {server.url}/v1/models ({err}); is the server still running?") from err
+
+
+def engine_version(server: Server) -> str:
+    """The vLLM version the server runs (``/version``)."""
+    try:
+        return json.loads(http_get(f"{server.url}/version"))["version"]
+    except (OSError, ValueError, KeyError) as err:
+        raise DraftsmithError(f"could not read {server.url}/version ({err}); is it a vLLM server?") from err
 
 
 def complete_batch(

@@ -113,8 +113,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def check_port_free(port: int) -> None:
-    """Refuse a port that something on 127.0.0.1 already holds."""
+def check_port_free(port: int) -> int:
+    """``port``, unless something on 127.0.0.1 already holds it (then refused)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((HOST, port))
@@ -122,6 +122,7 @@ def check_port_free(port: int) -> None:
             raise DraftsmithError(
                 f"port {port} on {HOST} is in use ({err.strerror}); pass another port, or none to take a free one"
             ) from err
+    return port
 
 
 def http_get(url: str, timeout: float = 10.0) -> bytes:
@@ -178,6 +179,8 @@ def server_arguments(
     eager: bool,
     max_model_len: int | None,
     memory_fraction: float | None,
+    prefix_caching: bool = False,
+    max_logprobs: int | None = None,
 ) -> list[str]:
     """Command-line arguments of ``vllm serve`` after the command itself (model folders already resolved)."""
     # --model, not the positional form: only `vllm serve` reads a positional model, the module ignores it.
@@ -186,7 +189,11 @@ def server_arguments(
     # request asks for; its EOS ids still stop generation, as in the bundled decoder.
     args += ["--dtype", dtype, "--seed", str(seed), "--generation-config", "vllm"]
     # Every repeat of a measurement does the same work: no prompt prefix is served from an earlier request.
-    args += ["--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+    # Generating data, the samples of one prompt share its prefill instead (prefix_caching).
+    args += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    args.append("--disable-uvicorn-access-log")
+    if max_logprobs is not None:  # the most log-probs a request may ask for (vLLM's default: 20)
+        args += ["--max-logprobs", str(max_logprobs)]
     if eager:  # no torch.compile warm-up (minutes on a small CPU), at some cost in speed
         args.append("--enforce-eager")
     if max_model_len is not None:
@@ -288,6 +295,8 @@ def serve(
     eager: bool = False,
     max_model_len: int | None = None,
     memory_fraction: float | None = None,
+    prefix_caching: bool = False,
+    max_logprobs: int | None = None,
     seed: int = 0,
     startup_timeout: float = 900.0,
     engine: Engine | None = None,
@@ -300,8 +309,10 @@ def serve(
     ``loading.resolve_dtype``). threads: CPU threads of the model (default: all cores this process
     may use). kv_cache_gib: the CPU backend's KV-cache size. port: default a free one. eager: skip
     torch.compile (faster start, slower decoding). memory_fraction: the GPU memory share of this
-    server (two servers on one GPU need less than vLLM's default each). log_path: where the server's
-    output goes (default: a temporary file, removed after a clean exit, kept and named in any error).
+    server (two servers on one GPU need less than vLLM's default each). prefix_caching: reuse prompt
+    prefixes' KV (off: each request does the same work, as a measurement needs). max_logprobs: the
+    most log-probs a request may ask for per position. log_path: where the server's output goes
+    (default: a temporary file, removed after a clean exit, kept and named in any error).
     """
     if gamma < 1:
         raise DraftsmithError(f"gamma must be >= 1, got {gamma}")
@@ -310,10 +321,7 @@ def serve(
     dtype_name = str(resolve_dtype(dtype, resolve_device(device_type))).removeprefix("torch.")
     model_path = resolve_model(model)
     draft_path = resolve_model(draft) if draft is not None else None
-    if port is None:
-        port = free_port()
-    else:
-        check_port_free(port)
+    port = free_port() if port is None else check_port_free(port)
     env = server_environment(engine, device_type, threads, kv_cache_gib)
     args = server_arguments(
         model=model_path,
@@ -325,6 +333,8 @@ def serve(
         eager=eager,
         max_model_len=max_model_len,
         memory_fraction=memory_fraction,
+        prefix_caching=prefix_caching,
+        max_logprobs=max_logprobs,
     )
     own_log = log_path is None
     log_path = temporary_log() if own_log else Path(log_path)
@@ -335,6 +345,7 @@ def serve(
         "dtype": dtype_name,
         "device": device_type,
         "eager": eager,
+        "prefix_caching": prefix_caching,
         "port": port,
         "command": " ".join(engine.command),
         "environment": env,

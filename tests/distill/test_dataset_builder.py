@@ -11,10 +11,12 @@ from draftsmith.distill.dataset_builder import (
     ProcessGroup,
     SelfPromptRequest,
     build_dataset,
+    check_settings,
     load_built,
     shard_paths,
     training_examples,
 )
+from draftsmith.distill.engines import BundledEngine
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import PromptRecord
 from draftsmith.distill.self_prompts import SelfPromptSettings
@@ -66,10 +68,10 @@ def settings(**changes) -> BuildSettings:
     return BuildSettings(**(fields | changes))
 
 
-def build(folder, model, tokenizer, prompts, config=None, **kw):
+def build(folder, model, tokenizer, prompts, config=None, batch_size=4, **kw):
     kw.setdefault("shard_rows", 3)
-    kw.setdefault("batch_size", 4)
-    return build_dataset(folder, model, tokenizer, EOS, config or settings(), prompts, progress=False, **kw)
+    engine = BundledEngine(model, batch_size)
+    return build_dataset(folder, engine, tokenizer, EOS, config or settings(), prompts, progress=False, **kw)
 
 
 def rows_by_key(folder) -> dict:
@@ -154,6 +156,25 @@ def test_a_changed_setting_is_refused_naming_the_field(tmp_path, model, tokenize
     with pytest.raises(DraftsmithError, match="built with " + named.replace(".", r"\.")):
         build(tmp_path / "d", model, tokenizer, records(2), settings(**change))
     assert len(load_built(tmp_path / "d")) == 2
+
+
+def test_the_engine_is_a_setting_and_datasets_that_name_none_were_made_by_the_bundled_decoder(
+    tmp_path, model, tokenizer
+):
+    build(tmp_path / "d", model, tokenizer, records(2))
+    path = tmp_path / "d" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest["settings"]["engine"] == "draftsmith"
+    assert manifest["engine"] == {"name": "draftsmith", "batch_size": 4, "device": "cpu"}
+    del manifest["settings"]["engine"]  # as written before the engine was recorded
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DraftsmithError, match='built with engine="draftsmith", not "vllm"'):
+        check_settings(tmp_path / "d", settings(engine="vllm"))
+    with pytest.raises(DraftsmithError, match="settings name engine 'vllm' but 'draftsmith' generates"):
+        build(tmp_path / "d", model, tokenizer, records(3), settings(engine="vllm"))
+    build(tmp_path / "d", model, tokenizer, records(3))
+    assert sorted(rows_by_key(tmp_path / "d")) == [("p0", 0), ("p1", 0), ("p2", 0)]
+    assert json.loads(path.read_text())["settings"] == settings().to_dict()
 
 
 def test_a_folder_that_is_not_a_dataset_is_refused(tmp_path, model, tokenizer):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draftsmith.distill.engines import BundledEngine
 from draftsmith.distill.prompt_filters import Deduplicator, PromptFilter
 from draftsmith.distill.self_prompts import (
     SelfPromptSettings,
@@ -68,7 +69,7 @@ def run_round(model, tokenizer, need, seed=0, tag="0", dedup=None):
     dedup = dedup or Deduplicator()
     eos = frozenset({1})
     return write_prompt_round(
-        model, tokenizer, need, settings, eos, dedup, filters, seed, tag, batch_size=8, oversample=3
+        BundledEngine(model, batch_size=8), tokenizer, need, settings, eos, dedup, filters, seed, tag, oversample=3
     )
 
 

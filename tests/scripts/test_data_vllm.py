@@ -1,0 +1,185 @@
+"""``draftsmith data --engine vllm``: the dataset written through a real vLLM server on the CPU.
+
+One server of the default target (float32, eager, one thread) serves the module through
+``--engine-url``; one more test lets the command start (and stop) its own. All skip, with the reason,
+where ``make vllm`` has not installed the engine.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.cli import main
+from draftsmith.distill.dataset_builder import load_built, read_self_prompts, shard_paths
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import DEFAULT_TARGET, load_tokenizer
+from draftsmith.specdec.prompts import encode_chat
+from draftsmith.specdec.vllm_server import HOST, find_engine, serve
+from tests.scripts.test_data_cli import KILLED_RUN
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).parents[2]
+EOS = 2  # the default target's <|im_end|>
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The bundled decoder on one thread, as the server: two OpenMP threads crawl on a machine other jobs load."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    try:
+        return find_engine()
+    except DraftsmithError as err:
+        pytest.skip(f"no vLLM environment: {err}")
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    """The default target in vLLM, as ``draftsmith data`` starts it (prefix caching on)."""
+    log = tmp_path_factory.mktemp("vllm-logs") / "data.log"
+    options = {"dtype": "float32", "eager": True, "threads": 1, "prefix_caching": True, "log_path": log}
+    with serve(DEFAULT_TARGET, engine=engine, **options) as running:
+        yield running
+
+
+def builtin_args(output, *extra, prompts=5) -> list[str]:
+    return [
+        "data",
+        "--prompts",
+        "builtin",
+        "--max-samples",
+        str(prompts),
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "24",
+        "--dtype",
+        "float32",
+        "--batch-size",
+        "8",
+        "--shard-rows",
+        "2",
+        "--no-progress",
+        "--output",
+        str(output),
+        *extra,
+    ]
+
+
+def rows_by_key(folder) -> dict:
+    rows = load_built(folder)
+    keys = list(zip(rows["prompt_id"], rows["sample"], strict=True))
+    assert len(keys) == len(set(keys)), "a (prompt, sample) appears twice"
+    return dict(zip(keys, rows, strict=True))
+
+
+def test_greedy_rows_through_vllm_are_the_bundled_decoders_rows(server, tmp_path, capsys):
+    ours, theirs = tmp_path / "ours", tmp_path / "vllm"
+    assert main(builtin_args(ours)) == 0
+    assert main(builtin_args(theirs, "--engine", "vllm", "--engine-url", server.url)) == 0
+    expected, got = rows_by_key(ours), rows_by_key(theirs)
+    assert len(got) == 5
+    assert got == expected  # every column: ids, answer ids and text, finished, messages, topic, source
+    assert load_built(theirs).column_names == load_built(ours).column_names
+    manifest = json.loads((theirs / "manifest.json").read_text())
+    assert manifest["settings"]["engine"] == "vllm" and manifest["settings"]["dtype"] == "float32"
+    assert manifest["engine"]["name"] == "vllm" and manifest["engine"]["url"] == server.url
+    assert manifest["engine"]["version"] == "0.32.0" and manifest["engine"]["concurrency"] == 8
+    assert manifest["counts"] == json.loads((ours / "manifest.json").read_text())["counts"]
+    capsys.readouterr()
+    # One engine's rows are not continued by the other's.
+    assert main(builtin_args(ours, "--engine", "vllm", "--engine-url", server.url)) == 2
+    assert 'was built with engine="draftsmith", not "vllm"' in capsys.readouterr().err
+
+
+def self_args(server, output, num_prompts) -> list[str]:
+    return [
+        "data",
+        "--engine",
+        "vllm",
+        "--engine-url",
+        server.url,
+        "--prompts",
+        "self",
+        "--num-prompts",
+        str(num_prompts),
+        "--topics",
+        "math,chat",
+        "--samples-per-prompt",
+        "2",
+        "--temperature",
+        "0.8",
+        "--max-new-tokens",
+        "32",
+        "--dtype",
+        "float32",
+        "--shard-rows",
+        "2",
+        "--no-progress",
+        "--output",
+        str(output),
+    ]
+
+
+def test_self_prompted_build_killed_midway_resumes_and_appends_without_duplicates(server, tmp_path):
+    out = tmp_path / "d"
+    env = os.environ | {"KILL_AFTER_SHARDS": "2", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, *self_args(server, out, 6)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [p.name for p in shard_paths(out)] == ["shard-r0-00000", "shard-r0-00001"]
+    before = rows_by_key(out)
+    assert len(before) == 4
+
+    assert main(self_args(server, out, 6)) == 0  # the same command continues
+    resumed = rows_by_key(out)
+    prompts = read_self_prompts(out)
+    assert len(prompts) == 6 and sorted(p.topic for p in prompts) == ["chat"] * 3 + ["math"] * 3
+    assert sorted(resumed) == sorted((p.id, s) for p in prompts for s in (0, 1))
+    assert all(resumed[key] == row for key, row in before.items())  # finished rows are kept as they were
+
+    assert main(self_args(server, out, 8)) == 0  # two more prompts, four more rows
+    grown = rows_by_key(out)
+    assert len(grown) == 16 and all(grown[key] == row for key, row in resumed.items())
+    tokenizer = load_tokenizer(DEFAULT_TARGET)
+    for row in grown.values():  # the rows the bundled decoder would write, made by vLLM
+        assert row["source"] == "self" and row["messages"][0]["role"] == "user"
+        assert row["prompt_ids"] == encode_chat(tokenizer, row["messages"])
+        assert 1 <= len(row["answer_ids"]) <= 32
+        assert row["finished"] == (row["answer_ids"][-1] == EOS)
+        assert row["answer_text"] == tokenizer.decode(row["answer_ids"], skip_special_tokens=True)
+    assert len({p.text for p in read_self_prompts(out)}) == 8
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["counts"]["rows"] == 16
+    assert manifest["counts"]["rows_by_topic"] == {"chat": 8, "math": 8}
+    assert manifest["self_prompts"]["kept"] == 8
+
+
+def test_the_command_starts_its_own_server_and_stops_it(engine, tmp_path):
+    out = tmp_path / "d"
+    assert main(builtin_args(out, "--engine", "vllm", "--engine-eager", "--engine-threads", "1", prompts=2)) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    started = manifest["engine"]["server"]
+    assert started["prefix_caching"] is True and started["dtype"] == "float32" and started["eager"] is True
+    assert started["environment"]["OMP_NUM_THREADS"] == "1"
+    with pytest.raises(ConnectionRefusedError):  # the server is gone (its port may linger in TIME_WAIT)
+        socket.create_connection((HOST, started["port"]), timeout=5).close()
+    assert manifest["counts"]["rows"] == 2
