@@ -76,7 +76,13 @@ def accepted_length(
     expectation. The loss is minus that over gamma, so it lies in [-1, 0]; a window stops at the
     first masked position. mask (B, T) bool.
     """
-    alpha = acceptance_probability(student_logits, teacher_logits, temperature) * mask  # (B, T)
+    alpha = acceptance_probability(student_logits, teacher_logits, temperature)  # (B, T)
+    return expected_accepted(alpha, mask, gamma)
+
+
+def expected_accepted(alpha: torch.Tensor, mask: torch.Tensor, gamma: int) -> torch.Tensor:
+    """``accepted_length`` from per-position acceptance ``alpha`` (B, T) and mask (B, T): (B, T) in [-1, 0]."""
+    alpha = alpha * mask
     run = torch.ones_like(alpha)
     expected = torch.zeros_like(alpha)
     for k in range(gamma):
@@ -126,6 +132,53 @@ def token_losses(
         losses = tvd(student_logits, teacher_logits, temperature)
     elif name == "accepted_length":
         losses = accepted_length(student_logits, teacher_logits, mask, gamma, temperature)
+    else:
+        raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+    return losses * mask
+
+
+def subset_token_losses(
+    name: str,
+    student_logits: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+    jsd_beta: float = 0.5,
+    gamma: int = 4,
+) -> torch.Tensor:
+    """The named loss per token (B, T) for a draft whose head is cut to a token subset S.
+
+    student_logits (B, T, N): the draft's logits over S; its distribution ``q`` is their softmax
+    (at ``temperature``), zero outside S, which is exactly what the cut draft decodes with.
+    teacher_log_probs (B, T, N): ``log p(x)`` for x in S, the target's log-probs at the loss
+    temperature normalized over the *full* vocabulary, so ``p(S) = sum_S p <= 1``.
+
+    TVD, reverse KL, JSD and accepted_length are the full-vocabulary divergences between ``p`` and
+    that ``q``: the tokens outside S (where q = 0) add terms in ``p(S^c) = 1 - p(S)`` alone, constant
+    for the draft, kept so that the values are the true ones (TVD is ``1 - sum_S min(p, q)``, the
+    cut draft's own rejection rate). Forward KL(p || q) is infinite whenever ``p(S^c) > 0``, so it is
+    taken against the teacher conditioned on S, ``p_S = p / p(S)``: its minimizer ``q = p_S`` also
+    minimizes the others. Zero where ``mask`` is False.
+    """
+    log_q = _log_probs(student_logits, temperature)  # (B, T, N)
+    log_p = teacher_log_probs.float()
+    p, q = log_p.exp(), log_q.exp()
+    outside = (1 - p.sum(-1)).clamp(min=0)  # (B, T): p(S^c), the mass the cut draft can never accept
+    if name == "forward_kl":
+        log_p_s = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
+        losses = (log_p_s.exp() * (log_p_s - log_q)).sum(-1)
+    elif name == "reverse_kl":
+        losses = (q * (log_q - log_p)).sum(-1)
+    elif name == "jsd":
+        if not 0 < jsd_beta < 1:
+            raise ValueError(f"jsd beta must be in (0, 1), got {jsd_beta}")
+        log_m = torch.logsumexp(torch.stack([log_p + math.log(jsd_beta), log_q + math.log(1 - jsd_beta)]), dim=0)
+        inside = jsd_beta * (p * (log_p - log_m)).sum(-1) + (1 - jsd_beta) * (q * (log_q - log_m)).sum(-1)
+        losses = inside + jsd_beta * outside * -math.log(jsd_beta)  # outside S, m = beta p
+    elif name == "tvd":
+        losses = 0.5 * ((p - q).abs().sum(-1) + outside)
+    elif name == "accepted_length":
+        losses = expected_accepted(torch.minimum(p, q).sum(-1), mask, gamma)
     else:
         raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
     return losses * mask

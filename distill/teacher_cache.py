@@ -4,7 +4,14 @@ For every training example, at the positions that count in the loss, the cache k
 ``k`` most likely token ids (int32) and their log-probabilities (float16): ``6 k`` bytes per token.
 It is written as ``safetensors`` shards of ``shard_size`` examples, each written atomically, with
 ``meta.json`` written last: a folder without it is incomplete and rebuilt.
-Losses read it back through ``losses.densify_topk``.
+Losses read it back through ``losses.densify_topk`` (or ``subset_logprobs`` for a draft whose head
+is cut to a token subset).
+
+A cache belongs to a dataset's content, not to a run: its folder (``folder_for``) is named by the
+target, its dtype, ``k`` and a hash of the examples taken as a multiset (order-free), and every
+shard stores each example's content digest beside its entries, so any run on the same examples
+(another seed, another held-out split, another learning rate, every later epoch) reads it back
+without running the target (``lookup``), and so does a cache built ahead of training for a dataset.
 """
 
 from __future__ import annotations
@@ -21,14 +28,27 @@ from transformers import PreTrainedModel
 
 from draftsmith.distill.data import collate
 from draftsmith.distill.losses import densify_topk
+from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path, write_text
+from draftsmith.specdec.loading import draftsmith_home
+
+
+def example_digest(example: dict) -> bytes:
+    """16 bytes naming an example's content (its tokens and which of them count in the loss)."""
+    return hashlib.sha256(json.dumps([example["input_ids"], example["loss_mask"]]).encode()).digest()[:16]
 
 
 def cache_key(target_name: str, dtype: torch.dtype, examples: list[dict], top_k: int, temperature: float) -> str:
-    digest = hashlib.sha256(json.dumps([target_name, str(dtype), top_k, temperature]).encode())
-    for e in examples:
-        digest.update(json.dumps([e["input_ids"], e["loss_mask"]]).encode())
+    """The name of the cache of ``examples``: the same for the same examples in any order."""
+    digest = hashlib.sha256(json.dumps(["by-content", target_name, str(dtype), top_k, temperature]).encode())
+    for example_hash in sorted(example_digest(e) for e in examples):
+        digest.update(example_hash)
     return digest.hexdigest()[:16]
+
+
+def folder_for(target_name: str, dtype: torch.dtype, examples: list[dict], top_k: int) -> Path:
+    """Where the top-k cache of ``examples`` under ``target_name`` in ``dtype`` lives (DRAFTSMITH_HOME)."""
+    return draftsmith_home() / "teacher-cache" / cache_key(target_name, dtype, examples, top_k, 1.0)
 
 
 @torch.no_grad()
@@ -46,10 +66,15 @@ def build(
     if (folder / "meta.json").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
+    unique: dict[bytes, dict] = {}
+    for example in examples:  # a repeated example is run once
+        unique.setdefault(example_digest(example), example)
+    digests, examples = list(unique), list(unique.values())
     n_shards = (len(examples) + shard_size - 1) // shard_size
     tokens = 0
     for shard in tqdm(range(n_shards), desc="teacher cache", disable=not progress, unit="shard"):
         chunk = examples[shard * shard_size : (shard + 1) * shard_size]
+        chunk_digests = digests[shard * shard_size : (shard + 1) * shard_size]
         ids, logps, counts = [], [], []
         for start in range(0, len(chunk), batch_size):
             batch = collate(chunk[start : start + batch_size], pad_id)
@@ -62,7 +87,12 @@ def build(
                 logps.append(top.values[row][mask].to(torch.float16).cpu())
                 counts.append(int(mask.sum()))
         tokens += sum(counts)
-        tensors = {"indices": torch.cat(ids), "logprobs": torch.cat(logps), "counts": torch.tensor(counts)}
+        tensors = {
+            "indices": torch.cat(ids),
+            "logprobs": torch.cat(logps),
+            "counts": torch.tensor(counts),
+            "digests": torch.frombuffer(bytearray(b"".join(chunk_digests)), dtype=torch.uint8).view(-1, 16),
+        }
         with atomic_path(folder / f"shard-{shard:05d}.safetensors") as tmp:
             save_file(tensors, tmp)
     meta = {
@@ -77,17 +107,35 @@ def build(
 
 
 def load(folder: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per example: (indices (N, k) int64, log-probs (N, k) float32) at its loss positions, in order."""
+    """Per example: (indices (N, k) int64, log-probs (N, k) float32) at its loss positions, in stored order."""
+    return [entry for _, entry in read_entries(folder)]
+
+
+def read_entries(folder: Path) -> list[tuple[bytes, tuple[torch.Tensor, torch.Tensor]]]:
+    """(content digest, (indices, log-probs)) of every example of the cache, in stored order."""
     meta = json.loads((folder / "meta.json").read_text())
     entries = []
     for shard in range(meta["shards"]):
         data = load_file(folder / f"shard-{shard:05d}.safetensors")
         ids, logps = data["indices"].long(), data["logprobs"].float()
+        digests = [bytes(row) for row in data["digests"].tolist()]
         offset = 0
-        for count in data["counts"].tolist():
-            entries.append((ids[offset : offset + count], logps[offset : offset + count]))
+        for digest, count in zip(digests, data["counts"].tolist(), strict=True):
+            entries.append((digest, (ids[offset : offset + count], logps[offset : offset + count])))
             offset += count
     return entries
+
+
+def lookup(folder: Path, examples: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The cache entries of ``examples``, in their order, found by content; a missing one is an error."""
+    by_digest = dict(read_entries(folder))
+    found = [by_digest.get(example_digest(e)) for e in examples]
+    if any(entry is None for entry in found):
+        raise DraftsmithError(
+            f"the teacher cache {folder} lacks {sum(e is None for e in found)} of these examples; delete the "
+            "folder to rebuild it"
+        )
+    return found
 
 
 def dense_teacher_logprobs(
@@ -98,4 +146,42 @@ def dense_teacher_logprobs(
     out = torch.full((batch, width, vocab_size), -math.log(vocab_size), device=mask.device)
     for row, (ids, logps) in enumerate(entries):
         out[row, mask[row]] = densify_topk(ids.to(mask.device), logps.to(mask.device), vocab_size)
+    return out
+
+
+def subset_logprobs(
+    indices: torch.Tensor, logprobs: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probs at ``temperature`` on the tokens ``ids`` of the distribution ``densify_topk`` makes
+    of a top-k entry (top-k kept, the rest spread evenly): (M, k) ids and log-probs -> (M, N).
+
+    The same values as ``log_softmax(densify_topk(indices, logprobs, V) / temperature)[:, ids]``,
+    normalized over the full vocabulary, without building (M, V)."""
+    top_k = indices.shape[-1]
+    others = vocab_size - top_k
+    top = logprobs.float() / temperature  # (M, k)
+    rest = (1 - logprobs.float().exp().sum(-1, keepdim=True)).clamp(min=1e-9)  # (M, 1)
+    log_other = (rest / max(others, 1)).log() / temperature  # (M, 1): each token outside the top k
+    terms = [top, log_other + math.log(others)] if others else [top]
+    log_norm = torch.logsumexp(torch.cat(terms, dim=-1), dim=-1, keepdim=True)  # (M, 1)
+    column = torch.full((vocab_size,), len(ids), dtype=torch.long, device=ids.device)
+    column[ids] = torch.arange(len(ids), device=ids.device)  # token -> its column; N for tokens not kept
+    out = log_other.expand(-1, len(ids) + 1).clone()  # (M, N + 1): the last column collects the others
+    out.scatter_(1, column[indices.long()], top)
+    return out[:, : len(ids)] - log_norm
+
+
+def subset_teacher_logprobs(
+    entries: list[tuple[torch.Tensor, torch.Tensor]],
+    mask: torch.Tensor,
+    ids: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Teacher log-probs (B, T, N) on the tokens ``ids`` for a batch whose rows are ``entries``;
+    uniform off the loss mask (never used there)."""
+    out = torch.full((*mask.shape, len(ids)), -math.log(vocab_size), device=mask.device)
+    indices = torch.cat([e[0] for e in entries]).to(mask.device)  # (M, k): the rows' loss positions in order
+    logprobs = torch.cat([e[1] for e in entries]).to(mask.device)
+    out[mask] = subset_logprobs(indices, logprobs, ids, vocab_size, temperature)
     return out

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[prompt_options(), gammas_option(), device_options(), draft_vocab_option(), progress_option()],
+        parents=[prompt_options(), gammas_option(), device_options(), draft_vocab_option(None), progress_option()],
     )
     p.add_argument("run_dir", help="a distillation run folder (holds config.yaml and checkpoint-*/)")
     p.add_argument("--temperatures", default="0", help="temperatures, e.g. 0,1 (default: 0)")

@@ -6,9 +6,11 @@ choose is rejected anyway, so the draft can score only the ``N`` tokens most fre
 target's own outputs (Zhao et al. 2025, FR-Spec). The others get probability 0 in ``q``.
 
 This changes nothing about exactness: ``q`` is still exactly the distribution the draft token is
-drawn from (zero outside the list), and the target verifies with its full vocabulary. It is a
-decoding option; the draft model itself keeps its full head, so any other serving stack loads it
-as is. ``draft_vocab.json`` in a run folder holds the ranking, counted on the training answers.
+drawn from (zero outside the list), and the target verifies with its full vocabulary. The draft
+model itself keeps its full head, so any other serving stack loads it as is.
+``draft_vocab.json`` in a run folder holds the ranking, counted on the training answers. A run
+trained with the same cut (``train_draft_vocab``) also writes the cut part of the ranking into each
+checkpoint folder, so that a checkpoint decodes with the head it was trained with.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def rank_tokens(examples: list[dict]) -> list[int]:
         ids, mask = example["input_ids"], example["loss_mask"]
         counts.update(ids[t + 1] for t in range(len(ids) - 1) if mask[t])
     return [token for token, _ in counts.most_common()]
+
+
+def kept_ids(token_ids: list[int], always: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The ids a head cut to ``token_ids`` scores: those, then ``always`` (e.g. the EOS ids), each once."""
+    return list(dict.fromkeys([*token_ids, *sorted(always)]))
 
 
 def save_ranking(folder: Path, ranking: list[int]) -> None:
@@ -68,7 +75,7 @@ class SubsetHeadDraft(nn.Module):
         head = draft.get_output_embeddings()
         if head is None or getattr(head, "bias", None) is not None:
             raise DraftsmithError("a reduced draft vocabulary needs a draft with a plain (bias-free) LM head")
-        keep = list(dict.fromkeys([*token_ids, *sorted(always)]))
+        keep = kept_ids(token_ids, always)
         vocab = head.weight.shape[0]
         if not keep or max(keep) >= vocab or min(keep) < 0:
             raise DraftsmithError(f"draft vocabulary ids must lie in 0..{vocab - 1}")

@@ -40,6 +40,15 @@ class DistillConfig:
     lora_alpha: int = 16
     lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     freeze_embeddings: bool = True  # keep the embeddings and LM head shared with the target frozen
+    # > 0: train (and decode) with the draft's LM head cut to the N tokens most frequent in the training
+    # answers (the run's draft_vocab.json, ranked before training starts) plus the EOS ids: logits, softmax
+    # and loss over those N instead of the whole vocabulary. The loss compares the cut draft's q (zero
+    # outside the N) with the target's p over its full vocabulary: TVD, reverse KL, JSD and accepted_length
+    # exactly (the mass p puts outside is a constant the draft cannot accept); forward KL, infinite for
+    # such a q, against p renormalized over the N. Checkpoints carry the cut (draft_vocab.json), so eval,
+    # eval-run and publish decode with it; held-out alpha is still measured against the full target.
+    # 0 = the full head.
+    train_draft_vocab: int = 0
     # data
     data: str = "target"  # text | target
     dataset: str = "builtin"  # builtin, a .jsonl/.json/.csv/.parquet/.txt file, a save_to_disk folder, a hub dataset
@@ -103,6 +112,11 @@ class DistillConfig:
             (self.draft_init != "early_exit" or self.lora_r == 0, "early_exit drafts do not take lora_r"),
             (self.draft_init != "pretrained" or bool(self.draft_model), "draft_init pretrained needs draft_model"),
             (self.lora_r >= 0, "lora_r must be >= 0"),
+            (self.train_draft_vocab >= 0, "train_draft_vocab must be >= 0 (0 = the full head)"),
+            (
+                self.draft_init != "early_exit" or self.train_draft_vocab == 0,
+                "early_exit drafts share the target's head: set train_draft_vocab to 0",
+            ),
             (self.teacher_top_k >= 1, "teacher_top_k must be >= 1"),
             (self.eval_speedup_steps >= 0, "eval_speedup_steps must be >= 0"),
             (

@@ -33,9 +33,12 @@ def evaluate_run(
     device: str | None = None,
     progress: bool = True,
     dtype: str | None = None,
-    draft_vocab_size: int = 0,
+    draft_vocab_size: int | None = None,
 ) -> dict:
-    """Measure the drafts of ``run_dir`` not yet in its report; return the report (``best`` names the best draft)."""
+    """Measure the drafts of ``run_dir`` not yet in its report; return the report (``best`` names the best draft).
+
+    draft_vocab_size: decode with the draft's head cut to the N tokens most frequent in the training
+    answers (0: the full head); None: the cut the run trained with (its ``train_draft_vocab``)."""
     if any(g < 1 for g in gammas):
         raise DraftsmithError(f"gammas must be >= 1, got {gammas}")
     if limit is not None and limit < 1:
@@ -43,6 +46,8 @@ def evaluate_run(
     if max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     cfg = load_run_config(run_dir)
+    if draft_vocab_size is None:
+        draft_vocab_size = cfg.train_draft_vocab
     drafts = checkpoint.drafts_of_run(run_dir)
     if not drafts:
         raise DraftsmithError(f"{run_dir} has no checkpoints yet (no initial/ or checkpoint-*/ folders)")

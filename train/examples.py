@@ -11,13 +11,13 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill import data as ddata
-from draftsmith.distill import dataset_builder, teacher_cache
+from draftsmith.distill import dataset_builder, teacher_cache, vocab_cut
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import draftsmith_home, eos_token_ids
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.train.config import DistillConfig
 
-TeacherLogits = Callable[[dict], torch.Tensor]  # batch -> (B, T, V) teacher logits or log-probs
+TeacherLogits = Callable[[dict], torch.Tensor]  # batch -> (B, T, V) teacher logits or log-probs; (B, T, N) cut
 
 
 def build_examples(
@@ -96,14 +96,18 @@ def encode_prompts(cfg: DistillConfig, target: PreTrainedModel, tokenizer, rows)
     return prompts
 
 
+def target_name(cfg: DistillConfig) -> str:
+    """The target as caches name it: ``tiny`` targets by their seed and config (each is another model)."""
+    return cfg.target if cfg.target != "tiny" else f"tiny-{cfg.seed}-{sorted(cfg.tiny_target.items())}"
+
+
 def target_answers(
     cfg: DistillConfig, target, tokenizer, prompts: list[list[int]], sampling: SamplingParams, accelerator: Accelerator
 ) -> list[list[int]]:
     """The target's answers to ``prompts``, generated once and cached under DRAFTSMITH_HOME."""
-    name = cfg.target if cfg.target != "tiny" else f"tiny-{cfg.seed}-{sorted(cfg.tiny_target.items())}"
     return ddata.cached_target_responses(
         draftsmith_home() / "data",
-        name,
+        target_name(cfg),
         target,
         prompts,
         max_new_tokens=cfg.gen_max_new_tokens,
@@ -154,29 +158,50 @@ def loaders(cfg: DistillConfig, train_examples: list[dict], heldout: list[dict],
     return train_loader, held_loader
 
 
-def teacher(cfg: DistillConfig, target, examples: list[dict], pad: int, accelerator: Accelerator) -> TeacherLogits:
-    """The function that gives a batch's teacher logits: the target's forward, or the top-k cache."""
+def teacher(
+    cfg: DistillConfig,
+    target,
+    examples: tuple[list[dict], list[dict]],
+    pad: int,
+    accelerator: Accelerator,
+    head_ids: torch.Tensor | None = None,
+) -> TeacherLogits:
+    """The function that gives a batch's teacher logits: the target's forward, or the top-k cache.
+
+    examples: (train, held-out). The cache covers both (the dataset's content), so a run with
+    another seed or held-out split of the same data reads the same cache. With ``head_ids`` (N,) the
+    draft's head is cut: the function gives the target's log-probs on those tokens at the loss
+    temperature (B, T, N), normalized over its full vocabulary."""
+    train_examples, heldout = examples
+    vocab, temperature = target.config.vocab_size, cfg.loss_temperature
     if not cfg.teacher_cache:
-        # .to(): a target spread with teacher_device_map returns logits on its last device
-        return lambda batch: target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.to(
-            accelerator.device
-        )
-    for i, example in enumerate(examples):
-        example["index"] = i
-    key = teacher_cache.cache_key(cfg.target, target.dtype, examples, cfg.teacher_top_k, 1.0)
-    folder = draftsmith_home() / "teacher-cache" / key
+
+        def live(batch: dict) -> torch.Tensor:
+            # .to(): a target spread with teacher_device_map returns logits on its last device
+            logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = logits.to(accelerator.device)  # (B, T, V)
+            return logits if head_ids is None else vocab_cut.teacher_log_probs(logits, head_ids, temperature)
+
+        return live
+    folder = teacher_cache.folder_for(target_name(cfg), target.dtype, train_examples + heldout, cfg.teacher_top_k)
     with accelerator.main_process_first():
         teacher_cache.build(
             target,
-            examples,
+            train_examples + heldout,
             folder,
             cfg.teacher_top_k,
             cfg.batch_size,
             pad_id=pad,
             progress=accelerator.is_main_process,
         )
-    entries = teacher_cache.load(folder)
-    vocab = target.config.vocab_size
-    return lambda batch: teacher_cache.dense_teacher_logprobs(
-        [entries[i] for i in batch["index"].tolist()], batch["loss_mask"], vocab
-    )
+    entries = teacher_cache.lookup(folder, train_examples)
+    for i, example in enumerate(train_examples):
+        example["index"] = i  # the batch's rows are these entries
+
+    def cached(batch: dict) -> torch.Tensor:
+        rows = [entries[i] for i in batch["index"].tolist()]
+        if head_ids is None:
+            return teacher_cache.dense_teacher_logprobs(rows, batch["loss_mask"], vocab)  # (B, T, V)
+        return teacher_cache.subset_teacher_logprobs(rows, batch["loss_mask"], head_ids, vocab, temperature)
+
+    return cached

@@ -28,8 +28,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from draftsmith.distill import data as ddata
+from draftsmith.distill import vocab_cut
 from draftsmith.distill.draft_init import count_parameters
-from draftsmith.distill.losses import acceptance_probability, cross_entropy, token_losses
+from draftsmith.distill.losses import acceptance_probability, cross_entropy, subset_token_losses, token_losses
 from draftsmith.distill.on_policy import OnPolicyMixer, example_prompt
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
@@ -44,6 +45,15 @@ from draftsmith.train.examples import TeacherLogits, build_examples, generation,
 from draftsmith.train.models import build_models, in_dtype_of, mixed_precision
 
 LOGS = ("metrics.jsonl", "losses.jsonl", "speedup.jsonl")  # one JSON record per line, each with its "step"
+
+
+@dataclass
+class HeadCut:
+    """Where a training forward cuts the draft's head: the unwrapped draft and the kept token ids."""
+
+    model: torch.nn.Module  # the draft unwrapped (a DDP wrapper calls its head)
+    ids: torch.Tensor  # (N,)
+    vocab_size: int
 
 
 @dataclass
@@ -62,6 +72,8 @@ class Run:
     loader: DataLoader
     heldout: DataLoader
     teacher: TeacherLogits
+    ranking: list[int]  # token ids by frequency in the training answers (draft_vocab.json)
+    head_ids: torch.Tensor | None = None  # (N,) the tokens the draft's head is cut to (train_draft_vocab)
     mixer: OnPolicyMixer | None = None  # on-policy data, when on_policy_fraction > 0
     step: int = 0  # optimizer steps done
     bar: tqdm | None = None
@@ -126,14 +138,16 @@ def setup(cfg: DistillConfig) -> Run:
     resume_from = checkpoint.resume_point(run_dir, cfg, record=accelerator.is_main_process)
     target, tokenizer, draft = build_models(cfg, accelerator.device)
     train_examples, heldout_examples = build_examples(cfg, target, tokenizer, accelerator)
+    ranking = draft_vocab.rank_tokens(train_examples)  # before any step: the cut the draft trains with
     if accelerator.is_main_process:  # the run folder only once the models and the data are good
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / RUN_CONFIG)
-        draft_vocab.save_ranking(run_dir, draft_vocab.rank_tokens(train_examples))
-    describe(accelerator, draft, target, len(train_examples))
+        draft_vocab.save_ranking(run_dir, ranking)
+    head_ids = cut_head_ids(cfg, ranking, eos_token_ids(target, tokenizer), accelerator.device)
+    describe(accelerator, draft, target, len(train_examples), head_ids)
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    teacher_logits = teacher(cfg, target, train_examples, pad, accelerator)
+    teacher_logits = teacher(cfg, target, (train_examples, heldout_examples), pad, accelerator, head_ids)
     loader, heldout = loaders(cfg, train_examples, heldout_examples, pad)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -152,6 +166,8 @@ def setup(cfg: DistillConfig) -> Run:
         loader=loader,
         heldout=heldout,
         teacher=teacher_logits,
+        ranking=ranking,
+        head_ids=head_ids,
     )
     if cfg.on_policy_fraction > 0:
         run.mixer = on_policy_mixer(cfg, train_examples, target, tokenizer, pad, accelerator.process_index)
@@ -194,15 +210,38 @@ def trackers(report_to: str) -> list[str] | None:
     return names
 
 
-def describe(accelerator: Accelerator, draft, target, n_examples: int) -> None:
-    """Print the sizes and the measured cost ratio c of the draft (main process)."""
+def cut_head_ids(
+    cfg: DistillConfig, ranking: list[int], eos_ids: frozenset[int], device: torch.device
+) -> torch.Tensor | None:
+    """(N,) the token ids the draft's head is cut to: the ``train_draft_vocab`` most frequent in the
+    training answers and the EOS ids, exactly the set eval decodes with; None for the full head."""
+    if not cfg.train_draft_vocab:
+        return None
+    return torch.tensor(draft_vocab.kept_ids(ranking[: cfg.train_draft_vocab], eos_ids), device=device)
+
+
+def decoding_draft(draft, head_ids: torch.Tensor | None):
+    """The draft as it decodes: with its head cut to ``head_ids`` when training used a cut."""
+    return draft if head_ids is None else draft_vocab.SubsetHeadDraft(draft, head_ids.tolist())
+
+
+def head_cut(run: Run) -> HeadCut | None:
+    """How this run's training forwards cut the draft's head (None: the full head)."""
+    if run.head_ids is None:
+        return None
+    return HeadCut(run.accelerator.unwrap_model(run.draft), run.head_ids, run.target.config.vocab_size)
+
+
+def describe(accelerator: Accelerator, draft, target, n_examples: int, head_ids: torch.Tensor | None) -> None:
+    """Print the sizes and the measured cost ratio c of the draft as it decodes (main process)."""
     if not accelerator.is_main_process:
         return
-    cost_ratio = measure_cost_ratio(target, in_dtype_of(draft, target))
+    cost_ratio = measure_cost_ratio(target, decoding_draft(in_dtype_of(draft, target), head_ids))
+    head = "full head" if head_ids is None else f"head cut to {len(head_ids)} tokens"
     print0(
         accelerator,
         f"draft: {count_parameters(draft) / 1e6:.2f} M parameters "
-        f"({count_parameters(draft, trainable_only=True) / 1e6:.2f} M trainable); target: "
+        f"({count_parameters(draft, trainable_only=True) / 1e6:.2f} M trainable, {head}); target: "
         f"{count_parameters(target) / 1e6:.2f} M; measured cost ratio c = {cost_ratio:.3f} "
         f"(draft step / target step); {n_examples} training sequences",
     )
@@ -246,25 +285,45 @@ def start(run: Run) -> None:
     if accelerator.is_main_process:
         for name in LOGS[:2]:
             (run.run_dir / name).unlink(missing_ok=True)
-    run.last_metrics = {"step": 0, **heldout_metrics(run.draft, run.target, run.heldout, accelerator)}
+    heldout = heldout_metrics(run.draft, run.target, run.heldout, accelerator, run.head_ids)
+    run.last_metrics = {"step": 0, **heldout}
     state = accelerator.get_state_dict(run.draft)  # a collective: every process takes part
     if accelerator.is_main_process:
         log(run.run_dir / "metrics.jsonl", run.last_metrics)
         tmp = checkpoint.begin(run.run_dir, checkpoint.INITIAL)
         checkpoint.write_draft(accelerator.unwrap_model(run.draft), state, run.tokenizer, tmp, run.cfg.target)
+        save_cut(run, tmp)
         info = {"step": 0, "target": run.cfg.target, "config": dataclasses.asdict(run.cfg)}
         checkpoint.commit(run.run_dir, tmp, checkpoint.INITIAL, info)
 
 
-def distill_step_loss(cfg: DistillConfig, draft, teacher_logits: TeacherLogits, batch: dict) -> torch.Tensor:
-    """Sum over valid tokens of the configured loss for one micro-batch (not yet normalized)."""
+def save_cut(run: Run, folder: Path) -> None:
+    """A draft trained with a cut head carries the cut (the kept part of the ranking) in its folder."""
+    if run.head_ids is not None:
+        draft_vocab.save_ranking(folder, run.ranking[: run.cfg.train_draft_vocab])
+
+
+def distill_step_loss(
+    cfg: DistillConfig, draft, teacher_logits: TeacherLogits, batch: dict, cut: HeadCut | None = None
+) -> torch.Tensor:
+    """Sum over valid tokens of the configured loss for one micro-batch (not yet normalized).
+
+    cut: train with the draft's head cut to ``cut.ids``; logits and loss over those N tokens."""
     mask = batch["loss_mask"]  # (B, T)
+    labels = torch.where(mask, batch["input_ids"].roll(-1, dims=1), -100)
     with torch.no_grad():
-        teacher_out = teacher_logits(batch)  # (B, T, V)
-    student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-    losses = token_losses(cfg.loss, student, teacher_out, mask, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma)
+        teacher_out = teacher_logits(batch)  # (B, T, V), or (B, T, N) log-probs with a cut head
+    if cut is None:
+        student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+        losses = token_losses(cfg.loss, student, teacher_out, mask, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma)
+    else:
+        with vocab_cut.head_cut_to(cut.model, cut.ids):
+            student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, N)
+        losses = subset_token_losses(
+            cfg.loss, student, teacher_out, mask, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma
+        )
+        labels = vocab_cut.subset_labels(labels, cut.ids, cut.vocab_size)
     if cfg.ce_weight:
-        labels = torch.where(mask, batch["input_ids"].roll(-1, dims=1), -100)
         losses = (1 - cfg.ce_weight) * losses + cfg.ce_weight * cross_entropy(student, labels)
     return losses.sum()
 
@@ -274,7 +333,8 @@ def train_step(run: Run, micro: list[dict]) -> tuple[float, int]:
     accelerator, cfg = run.accelerator, run.cfg
     if run.mixer is not None:
         if run.mixer.due(run.step):
-            run.mixer.refresh(accelerator.unwrap_model(run.draft), run.step, progress=accelerator.is_main_process)
+            draft = decoding_draft(accelerator.unwrap_model(run.draft), run.head_ids)
+            run.mixer.refresh(draft, run.step, progress=accelerator.is_main_process)
         micro = [run.mixer.maybe_replace(b, run.step, i, accelerator.device) for i, b in enumerate(micro)]
     local_tokens = sum(int(b["loss_mask"].sum()) for b in micro)
     global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum"))
@@ -284,7 +344,7 @@ def train_step(run: Run, micro: list[dict]) -> tuple[float, int]:
     for i, batch in enumerate(micro):
         sync = i == len(micro) - 1  # gradients are all-reduced once, after the last micro-batch
         with contextlib.nullcontext() if sync else accelerator.no_sync(run.draft):
-            loss = distill_step_loss(cfg, run.draft, run.teacher, batch) * scale
+            loss = distill_step_loss(cfg, run.draft, run.teacher, batch, head_cut(run)) * scale
             accelerator.backward(loss)
         step_loss += float(loss.detach()) / accelerator.num_processes
     run.grad_norm = float(accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm))
@@ -316,7 +376,7 @@ def on_step_end(run: Run, loss: float, tokens: int) -> None:
 def log_heldout(run: Run) -> None:
     """Held-out acceptance next to the loss, learning rate and throughput since the last record."""
     elapsed = time.perf_counter() - run.window_start  # training time only, before the held-out evaluation
-    metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator)
+    metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator, run.head_ids)
     run.last_metrics = {
         "step": run.step,
         "loss": run.window_loss / (run.step % run.cfg.log_steps or run.cfg.log_steps),
@@ -360,8 +420,11 @@ def summarize(run: Run) -> None:
 
 
 @torch.no_grad()
-def heldout_metrics(draft, target, loader, accelerator: Accelerator) -> dict:
-    """Mean acceptance probability sum_x min(p, q) and TVD over held-out tokens, synced across processes."""
+def heldout_metrics(draft, target, loader, accelerator: Accelerator, head_ids: torch.Tensor | None = None) -> dict:
+    """Mean acceptance probability sum_x min(p, q) and TVD over held-out tokens, synced across processes.
+
+    Exact over the target's full vocabulary; with ``head_ids`` the draft's q is the cut head's (zero
+    outside those tokens), as it decodes."""
     alpha = torchmetrics.MeanMetric().to(accelerator.device)
     was_training = draft.training
     draft.eval()
@@ -369,6 +432,9 @@ def heldout_metrics(draft, target, loader, accelerator: Accelerator) -> dict:
         mask = batch["loss_mask"]  # (B, T)
         p = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
         q = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        if head_ids is not None:
+            kept = torch.zeros(q.shape[-1], dtype=torch.bool, device=q.device)
+            q = q.masked_fill(~kept.index_fill_(0, head_ids, True), float("-inf"))  # (B, T, V)
         a = acceptance_probability(q, p)  # (B, T)
         alpha.update(a[mask], weight=torch.ones_like(a[mask]))
     draft.train(was_training)
@@ -382,7 +448,7 @@ def measure_speedup(run: Run) -> None:
     if run.accelerator.is_main_process:
         prompts_file = ddata.EVAL_PROMPTS if cfg.eval_prompts == "builtin" else cfg.eval_prompts
         prompts = read_prompts(prompts_file)[: cfg.eval_limit]
-        model = in_dtype_of(run.accelerator.unwrap_model(run.draft), target)
+        model = decoding_draft(in_dtype_of(run.accelerator.unwrap_model(run.draft), target), run.head_ids)
         with eval_mode(model):
             result = speedup.measure_draft(
                 target,
@@ -422,6 +488,7 @@ def save(run: Run) -> None:
     state = accelerator.get_state_dict(run.draft)  # gathers a sharded (FSDP) draft; every process takes part
     if main:
         checkpoint.write_draft(accelerator.unwrap_model(run.draft), state, run.tokenizer, tmp, cfg.target)
+        save_cut(run, tmp)
         if run.mixer is not None:
             run.mixer.save(tmp)
         info = {"step": step, "target": cfg.target, "draft_init": cfg.draft_init, "config": dataclasses.asdict(cfg)}

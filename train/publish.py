@@ -110,12 +110,14 @@ def readable_by_all(folder: Path) -> None:
 
 def measured_settings(run_dir: Path, ckpt: Path) -> dict:
     """The gamma (best at the report's first temperature) and draft vocabulary size ``ckpt`` was
-    measured with by eval-run; the default gamma and the full head when it was not measured."""
+    measured with by eval-run; when it was not measured, the default gamma and the head it was
+    trained with (the cut its folder carries, else the full head)."""
     report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else {"results": {}}
     by_temp = report["results"].get(ckpt.name, {})
     first = str(report["temperatures"][0]) if by_temp else None
     if first not in by_temp:
-        return {"gamma": GAMMA, "draft_vocab": 0, "measured": False}
+        trained_cut = len(draft_vocab.load_ranking(ckpt)) if (ckpt / draft_vocab.FILE).is_file() else 0
+        return {"gamma": GAMMA, "draft_vocab": trained_cut, "measured": False}
     figures = [by_temp[first].get(k) for k in ("best_gamma", "speedup", "acceptance_rate")]
     if any(x is None or math.isnan(x) for x in figures):
         raise DraftsmithError(
