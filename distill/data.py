@@ -62,6 +62,31 @@ def load_rows(source: str, split: str = "train", config: str | None = None) -> d
         raise DraftsmithError(f"could not load dataset {source!r} (config {config}, split {split!r}): {err}") from err
 
 
+# Fields a training row may hold: chat or text data (text mode), or a prompt in one of the usual spellings.
+ROW_FIELDS = ("text", "messages", "prompt", "completion", "conversations", "question", "instruction", "turns")
+
+
+def map_columns(rows: datasets.Dataset, column_map: dict, source: str) -> datasets.Dataset:
+    """``rows`` with the columns named in ``column_map`` (field -> column) renamed to their fields;
+    a field or column that does not exist is an error naming what there is."""
+    if not column_map:
+        return rows
+    unknown = [field for field in column_map if field not in (*ROW_FIELDS, "category")]
+    if unknown:
+        fields = ", ".join(ROW_FIELDS)
+        raise DraftsmithError(f"column_map: unknown field(s) {', '.join(unknown)}; the fields are {fields}")
+    missing = [str(column) for column in column_map.values() if column not in rows.column_names]
+    if missing:
+        raise DraftsmithError(
+            f"{source}: column_map names column(s) {', '.join(missing)} that the data does not have; "
+            f"its columns are {', '.join(rows.column_names)}"
+        )
+    renamed = {column: field for field, column in column_map.items() if column != field}
+    clashes = [field for field in renamed.values() if field in rows.column_names and field not in renamed]
+    rows = rows.remove_columns(clashes)  # the mapped column replaces a column already named like the field
+    return rows.rename_columns(renamed)
+
+
 def saved_rows(folder: Path, split: str) -> datasets.Dataset:
     """The rows of a folder written by datasets' ``save_to_disk`` (a DatasetDict: its ``split``)."""
     try:

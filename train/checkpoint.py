@@ -119,6 +119,7 @@ RESUME_KEYS = (
     "dataset",
     "dataset_config",
     "max_samples",
+    "column_map",
     "max_length",
     "batch_size",
     "grad_accum",

@@ -55,6 +55,7 @@ class DistillConfig:
     dataset_split: str = "train"
     dataset_config: str | None = None  # a hub dataset's config name
     max_samples: int | None = None  # use the first this many rows of the dataset at most
+    column_map: dict = field(default_factory=dict)  # field -> column, e.g. {prompt: question, completion: answer}
     skip_bad_rows: bool = False  # leave out rows without a usable prompt/text (counted) instead of stopping
     heldout: int = 8  # rows kept aside for the held-out acceptance rate
     max_length: int = 256

@@ -31,6 +31,7 @@ def build_examples(
     if dataset_builder.read_manifest(Path(cfg.dataset)) is not None:
         return built_examples(cfg)
     rows = ddata.load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config)
+    rows = ddata.map_columns(rows, cfg.column_map, cfg.dataset)
     if cfg.max_samples is not None:
         rows = rows.select(range(min(cfg.max_samples, len(rows))))
     rows = ddata.usable_rows(rows, cfg.data, cfg.dataset, cfg.skip_bad_rows)

@@ -60,3 +60,18 @@ def test_prompt_completion_rows_train_on_the_completion_only():
     ids, mask = example["input_ids"], example["loss_mask"]
     predicted = tokenizer.decode([ids[t + 1] for t in range(len(ids) - 1) if mask[t]])
     assert predicted.replace(" ", "") == "Blue.</s>"  # the completion and its end of turn (one token per char)
+
+
+def test_column_map_names_the_prompt_column(tmp_path, capsys):
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(f'{{"query": "Count from {i} to {i + 3}.", "id": {i}}}\n' for i in range(10)))
+    run = [f"dataset={data}", *SMALL]
+    assert main(["distill", "--config", TINY, f"output_dir={tmp_path / 'a'}", *run]) == 2
+    assert "row 0" in capsys.readouterr().err  # no prompt field without the mapping
+    mapped = [f"output_dir={tmp_path / 'b'}", "column_map={prompt: query}", *run]
+    assert main(["distill", "--config", TINY, *mapped]) == 0
+    assert training_sequences(capsys.readouterr().out) == 6  # 10 rows, 4 held out
+    wrong = [f"output_dir={tmp_path / 'c'}", "column_map={prompt: ask}", *run]
+    assert main(["distill", "--config", TINY, *wrong]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "column_map names column(s) ask that the data does not have; its columns are query, id" in err
