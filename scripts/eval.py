@@ -29,6 +29,7 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.self_spec import measure_verify_saving
+from draftsmith.specdec.tree import TreeShape
 
 DESCRIPTION = """Measure how much faster a draft makes a target: acceptance rate, mean accepted tokens (tau),
 tokens/s of the target alone and of speculative decoding (interleaved, median over repeats), the
@@ -67,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="draft tokens per round (default: the draft folder's generation_config.json num_assistant_tokens "
         f"with the constant schedule, as publish writes it; else {GAMMA})",
+    )
+    p.add_argument(
+        "--tree",
+        default=None,
+        metavar="SHAPE",
+        help="draft a token tree each round instead of a chain, verified in one target forward: children per "
+        "depth (3,2,1,1: the draft's 3 likeliest first tokens, 2 after each, ...; 21 nodes), or SHAPE:BUDGET for "
+        "a dynamic tree keeping the BUDGET likeliest nodes (3,2,2,1:12). Batch 1 only. Default: the draft "
+        "folder's generation_config.json draftsmith.tree (publish writes it when a tree measured fastest) "
+        "unless --gamma is given; else a chain",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="top-k filtering when sampling (0 = off)")
@@ -124,8 +135,9 @@ def _stock_pair(args, device: torch.device, dtype: torch.dtype) -> HFComparison:
 
 
 def _published_settings(args) -> None:
-    """Fill ``--gamma`` and ``--draft-vocab`` left out from what a published draft folder carries:
-    the gamma of its generation config (constant schedule) and its draft_vocab.json."""
+    """Fill ``--gamma``, ``--draft-vocab`` and ``--tree`` left out from what a published draft folder
+    carries: the gamma of its generation config (constant schedule), its draft_vocab.json, and the
+    tree shape of its ``draftsmith`` section (used when no chain setting or batch asks otherwise)."""
     folder = Path(args.draft)
     config = folder / "generation_config.json"
     assistant = json.loads(config.read_text()) if config.is_file() else {}
@@ -139,6 +151,12 @@ def _published_settings(args) -> None:
     if args.draft_vocab is None:
         carried = (folder / draft_vocab.FILE).is_file() and not args.compare_hf
         args.draft_vocab = len(draft_vocab.load_ranking(folder)) if carried else 0
+    # The tree shape publish found fastest with draftsmith's decoder (transformers takes the chain gamma).
+    carried_tree = assistant.get("draftsmith", {}).get("tree")
+    args.tree_source = "--tree" if args.tree is not None else None
+    chain_asked = args.gamma_source == "--gamma" or args.confidence_threshold is not None or args.batch_size != 1
+    if args.tree is None and carried_tree and not chain_asked:
+        args.tree, args.tree_source = carried_tree, "generation_config.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         confidence_threshold=args.confidence_threshold,
         cache_kind=args.cache,
         kv_reuse=not args.no_kv_reuse,
+        tree=TreeShape.parse(args.tree) if args.tree is not None else None,
     )
+    if options.tree is not None and args.batch_size != 1:
+        raise DraftsmithError("--tree decodes one prompt at a time; leave out --batch-size")
+    if options.tree is not None and args.confidence_threshold is not None:
+        raise DraftsmithError("--confidence-threshold cuts chains; a --tree's size is set by its shape or budget")
     if args.max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit is not None and args.limit < 1:
@@ -172,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     early_exit = isinstance(draft, EarlyExitDraft)
     if args.draft != "self" and not args.draft.startswith(("truncate:", "early_exit:")) and not early_exit:
         check_compatible(tokenizer, load_tokenizer(args.draft), target.config.vocab_size, draft.config.vocab_size)
+    if early_exit and options.tree is not None and not args.no_kv_reuse:
+        raise DraftsmithError(
+            "--tree with an early-exit draft needs --no-kv-reuse (a tree is drafted on its own cache)"
+        )
     if early_exit and args.compare_hf:
         raise DraftsmithError("--compare-hf needs a standalone draft; an early-exit draft shares the target's layers")
     kv_reuse = early_exit and not args.no_kv_reuse
@@ -204,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=str(dtype).removeprefix("torch."),
         draft_vocab=args.draft_vocab,
         gamma_source=args.gamma_source,
+        tree_source=args.tree_source,
         prompts_file=str(args.prompts),
     )
     print(format_table(report))

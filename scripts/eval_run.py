@@ -13,13 +13,15 @@ from draftsmith.options import (
     progress_option,
     prompt_options,
 )
+from draftsmith.specdec.tree import TreeShape
 from draftsmith.train.eval_run import evaluate_run
 
 EPILOG = """Writes RUN_DIR/speedup_report.json, speedup_report.md, speedup.png and best.json.
 Drafts already measured (same prompts, gammas, tokens) are not measured again unless --force.
 
 example:
-  draftsmith eval-run runs/smollm2-135m --gammas 1,2,3,4,6,8 --temperatures 0,1"""
+  draftsmith eval-run runs/smollm2-135m --gammas 1,2,3,4,6,8 --temperatures 0,1
+  draftsmith eval-run runs/smollm2-135m --gammas 1,2,3,4 --trees 3,2,1,1 3,2,2,1:12"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0", help="temperatures, e.g. 0,1 (default: 0)")
     p.add_argument("--repeats", type=int, default=1, help="timed repeats per measurement (default: 1)")
     p.add_argument("--force", action="store_true", help="measure drafts again even if already in the report")
+    p.add_argument(
+        "--trees",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="SHAPE",
+        help="token-tree shapes to measure beside the chain gammas, as eval --tree takes them (3,2,1,1 or "
+        "3,2,2,1:12); the fastest is chosen over the chain when it measured faster, and publish carries it "
+        "(default: none, chains only)",
+    )
     return p
 
 
@@ -53,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         dtype=args.dtype,
         draft_vocab_size=args.draft_vocab,
+        trees=[TreeShape.parse(shape, "--trees") for shape in args.trees],
     )
     print((run_dir / "speedup_report.md").read_text())
     print(f"best draft: {report['best']} (written to {run_dir / 'best.json'})")

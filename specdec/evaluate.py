@@ -8,7 +8,9 @@ interleaved batch by batch and the median over repeats taken. The baseline is
 
 The cost ratios come from the same runs: c = one draft step / one target single-token step, v = one
 verification forward / one target single-token step (``step_costs``); ``measure_cost_ratio`` times
-c on its own, for a draft that is not being evaluated (during training).
+c on its own, for a draft that is not being evaluated (during training). With a token tree
+(``DecodeOptions.tree``) a draft step is one forward over a level's nodes, a verification is the one
+forward over all the tree's nodes, and the report adds the nodes verified per round.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ def predicted_speedup(alpha: float, gamma: float, c: float, v: float = 1.0) -> f
     """
     expected_tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return expected_tokens / (gamma * c + v)
+
+
+def predicted_tree_speedup(spec: DecodeStats, c: float, v: float, calls: int) -> float | None:
+    """Expected speedup of token-tree rounds: tau tokens per round for the round's draft forwards
+    (one per level, each c single-token target steps) and one verification (v steps).
+
+    There is no closed form in alpha as for chains (which tokens a tree offers depends on the draft's
+    whole distribution), so tau is the measured one; ``spec`` sums ``calls`` decoding calls, whose
+    draft prefills are not steps."""
+    tau = spec.mean_accepted_tokens
+    if tau is None or not spec.rounds or math.isnan(c) or math.isnan(v):
+        return None
+    draft_steps = (spec.draft_forwards - calls) / spec.rounds
+    return tau / (draft_steps * c + v)
 
 
 def alpha_from_tau(tau: float, gamma: int) -> float:
@@ -253,7 +269,7 @@ def evaluate_pair(
         raise DraftsmithError(f"repeats must be >= 1, got {repeats}")
     if compare_hf is not None and batch_size != 1:
         raise DraftsmithError("--compare-hf needs --batch-size 1: transformers' assisted generation takes one sequence")
-    if tune_verify and batch_size == 1 and not options.verify_widths:
+    if tune_verify and batch_size == 1 and not options.verify_widths and options.tree is None:
         options = dataclasses.replace(options, verify_widths=tune_verify_widths(target, options.gamma + 1))
     generator = torch.Generator(device=target.device)
     pair = _Pair(target, draft, tokenizer, options, max_new_tokens, frozenset(eos_ids), generator)
@@ -277,9 +293,12 @@ def evaluate_pair(
             _run_repeat(pair, prompts, seed + rep, batch_size, per_cat, hf, greedy_matches if rep == 0 else None, bar)
             for rep in range(repeats)
         ]
-    report = report_from_repeats(repeat_tallies, per_cat, hf, greedy_matches, options.gamma)
+    report = report_from_repeats(
+        repeat_tallies, per_cat, hf, greedy_matches, options.gamma, tree=options.tree is not None
+    )
     report.update(
         gamma=options.gamma,
+        tree=options.tree.text if options.tree is not None else None,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         repeats=repeats,
@@ -343,12 +362,15 @@ def _guard_memory(run, batch_size: int):
         ) from err
 
 
-def pair_metrics(target: Tally, spec: Tally, gamma: int) -> dict:
-    """alpha, tau, c, v and both speedups from the stats of one set of runs."""
+def pair_metrics(target: Tally, spec: Tally, gamma: int, tree: bool = False) -> dict:
+    """alpha, tau, c, v and both speedups from the stats of one set of runs (``tree``: token-tree rounds)."""
     base, sp = sum_stats(target.stats), sum_stats(spec.stats)
     alpha = sp.acceptance_rate
     c, v = step_costs(base, sp, calls=len(spec.stats))
-    predicted = predicted_speedup(alpha, gamma, c, v) if alpha is not None else None
+    if tree:
+        predicted = predicted_tree_speedup(sp, c, v, calls=len(spec.stats))
+    else:
+        predicted = predicted_speedup(alpha, gamma, c, v) if alpha is not None else None
     speedup = spec.tokens_per_s / target.tokens_per_s if target.tokens_per_s else None
     return {
         "acceptance_rate": alpha,
@@ -360,6 +382,7 @@ def pair_metrics(target: Tally, spec: Tally, gamma: int) -> dict:
         "verify_ratio_v": v,
         "predicted_speedup": predicted,
         "efficiency": speedup / predicted if speedup and predicted else None,
+        "nodes_per_round": sp.nodes_per_round,  # tree rounds only
         "proposed": sp.proposed,
         "accepted": sp.accepted,
         "time_split_s": {
@@ -377,10 +400,11 @@ def report_from_repeats(
     hf: HFComparison | None,
     greedy_matches: list[bool],
     gamma: int,
+    tree: bool = False,
 ) -> dict:
     """The overall figures (alpha, c, v, ... of the median repeat; speedup from the median tokens/s
     of each decoder), greedy identity, and the figures per category."""
-    per_repeat = [pair_metrics(t["target"], t["spec"], gamma) for t in repeat_tallies]
+    per_repeat = [pair_metrics(t["target"], t["spec"], gamma, tree) for t in repeat_tallies]
     median_rep = sorted(range(len(per_repeat)), key=lambda i: per_repeat[i]["speedup"])[len(per_repeat) // 2]
     report = dict(per_repeat[median_rep])
     target_tps = statistics.median(r["target_tokens_per_s"] for r in per_repeat)
@@ -396,7 +420,9 @@ def report_from_repeats(
     if report["predicted_speedup"]:
         report["efficiency"] = report["speedup"] / report["predicted_speedup"]
     report["greedy_match"] = sum(greedy_matches) / len(greedy_matches) if greedy_matches else None
-    report["per_category"] = {cat: pair_metrics(t["target"], t["spec"], gamma) for cat, t in sorted(per_cat.items())}
+    report["per_category"] = {
+        cat: pair_metrics(t["target"], t["spec"], gamma, tree) for cat, t in sorted(per_cat.items())
+    }
     if hf is not None:
         report.update(hf.report(gamma))
     return report
@@ -428,8 +454,11 @@ def format_table(report: dict) -> str:
             f"{fmt(r['speedup'], '.2f'):>9}{fmt(r['predicted_speedup'], '.2f'):>10}"
             f"{fmt(r['cost_ratio_c'], '.2f'):>7}{fmt(r['verify_ratio_v'], '.2f'):>7}"
         )
+    drafted = f"gamma={report['gamma']}"
+    if report["tree"]:
+        drafted = f"tree={report['tree']} ({fmt(report['nodes_per_round'], '.1f')} nodes per round)"
     lines.append(
-        f"gamma={report['gamma']} batch={report['batch_size']} temperature={report['temperature']} "
+        f"{drafted} batch={report['batch_size']} temperature={report['temperature']} "
         f"repeats={report['repeats']} prompts={report['prompts']}"
     )
     if report["repeats"] > 1 and report["speedup_spread"] is not None:

@@ -57,15 +57,21 @@ class TreeShape:
             raise DraftsmithError(f"tree budget must be >= 0 and expand >= 1, got {self.budget}, {self.expand}")
 
     @classmethod
-    def parse(cls, text: str) -> TreeShape:
-        """``"3,2,1,1"`` (fixed) or ``"3,2,1,1:16"`` (dynamic, at most 16 nodes)."""
+    def parse(cls, text: str, option: str = "--tree") -> TreeShape:
+        """``"3,2,1,1"`` (fixed) or ``"3,2,1,1:16"`` (dynamic, at most 16 nodes); errors name ``option``."""
         shape, _, budget = text.partition(":")
         try:
             return cls(tuple(int(b) for b in shape.split(",")), int(budget) if budget else 0)
         except ValueError as err:
             raise DraftsmithError(
-                f"--tree takes branching per depth, e.g. 3,2,1,1, optionally :BUDGET for a dynamic tree; got {text!r}"
+                f"{option} takes branching per depth, e.g. 3,2,1,1, optionally :BUDGET for a dynamic tree; got {text!r}"
             ) from err
+
+    @property
+    def text(self) -> str:
+        """The shape as ``parse`` reads it: ``"3,2,1,1"`` or ``"3,2,2,1:12"``."""
+        branching = ",".join(map(str, self.branching))
+        return f"{branching}:{self.budget}" if self.budget else branching
 
     @property
     def depth(self) -> int:

@@ -16,6 +16,7 @@ from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dtype
 from draftsmith.specdec.prompts import Prompt, read_prompts
+from draftsmith.specdec.tree import TreeShape
 from draftsmith.train import checkpoint, speedup
 from draftsmith.train.config import load_run_config
 from draftsmith.train.models import load_target
@@ -34,11 +35,14 @@ def evaluate_run(
     progress: bool = True,
     dtype: str | None = None,
     draft_vocab_size: int | None = None,
+    trees: list[TreeShape] | None = None,
 ) -> dict:
     """Measure the drafts of ``run_dir`` not yet in its report; return the report (``best`` names the best draft).
 
     draft_vocab_size: decode with the draft's head cut to the N tokens most frequent in the training
-    answers (0: the full head); None: the cut the run trained with (its ``train_draft_vocab``)."""
+    answers (0: the full head); None: the cut the run trained with (its ``train_draft_vocab``).
+    trees: token-tree shapes measured beside the chain gammas (batch 1); the fastest is chosen over the
+    chain when it measured faster (``speedup.choose_tree``)."""
     if any(g < 1 for g in gammas):
         raise DraftsmithError(f"gammas must be >= 1, got {gammas}")
     if limit is not None and limit < 1:
@@ -65,6 +69,7 @@ def evaluate_run(
         "limit": limit,
         "dtype": str(torch_dtype).removeprefix("torch."),
         "draft_vocab": draft_vocab_size,
+        "trees": [t.text for t in trees or []],
     }
     report = speedup.load_report(run_dir)
     if force or any(report.get(k) != v for k, v in settings.items()):
@@ -89,6 +94,7 @@ def evaluate_run(
                 repeats=repeats,
                 seed=cfg.seed,
                 progress=progress,
+                trees=tuple(trees or ()),
             )
             check_measured(result, name, max_new_tokens)
             report["results"].setdefault(name, {})[str(temp)] = {"step": step, **result}
@@ -118,6 +124,7 @@ def measure(
     repeats: int,
     seed: int,
     progress: bool,
+    trees: tuple[TreeShape, ...] = (),
 ) -> dict:
     """One draft at one temperature: the best gamma and what was measured there (``speedup.measure_draft``)."""
     return speedup.measure_draft(
@@ -132,4 +139,5 @@ def measure(
         repeats=repeats,
         seed=seed,
         progress=progress,
+        trees=trees,
     )

@@ -82,6 +82,11 @@ def publish(
     measured = measured_settings(run_dir, ckpt)
     # generate(assistant_model=draft) reads these from the draft's own generation config.
     configure_assistant(draft.generation_config, measured["gamma"])
+    tree = measured_tree(run_dir, ckpt)
+    if tree is not None:
+        # draftsmith's decoder reads the tree shape that measured fastest from here (eval --draft FOLDER);
+        # transformers and vLLM ignore the section and draft the chain above.
+        draft.generation_config.draftsmith = {"tree": tree}
     with atomic_path(out) as tmp:
         draft.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -125,6 +130,15 @@ def measured_settings(run_dir: Path, ckpt: Path) -> dict:
             "draftsmith eval-run on the run again with more --max-new-tokens, then publish"
         )
     return {"gamma": by_temp[first]["best_gamma"], "draft_vocab": report.get("draft_vocab") or 0, "measured": True}
+
+
+def measured_tree(run_dir: Path, ckpt: Path) -> str | None:
+    """The token-tree shape eval-run chose over the chain for ``ckpt`` at the report's first temperature
+    (``speedup.choose_tree``), or None: the chain, or not measured with trees."""
+    report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else {"results": {}}
+    by_temp = report["results"].get(ckpt.name, {})
+    first = by_temp.get(str(report["temperatures"][0]), {}) if by_temp else {}
+    return first.get("best_tree")
 
 
 def is_hub_id(name: str) -> bool:
@@ -234,6 +248,17 @@ def _measured(report: dict, results: dict) -> list[str]:
             f"| {temp} | {r['best_gamma']} | {r['acceptance_rate']:.3f} | "
             f"{r['mean_accepted_tokens']:.2f} | {r['speedup']:.2f}x |"
         )
+    first = results.get(str(report["temperatures"][0]), {})
+    if first.get("best_tree"):
+        tree = first["trees"][first["best_tree"]]
+        lines += [
+            "",
+            f"draftsmith's own decoder measured a token tree faster: shape {first['best_tree']}, "
+            f"{tree['nodes_per_round']:.1f} nodes and {tree['mean_accepted_tokens']:.2f} tokens per round, "
+            f"speedup {tree['speedup']:.2f}x (the chain above: {first['speedup']:.2f}x). `generation_config.json` "
+            "carries it as `draftsmith.tree`, and `draftsmith eval --draft` on this folder decodes with it; "
+            "transformers and vLLM draft the chain.",
+        ]
     return lines
 
 

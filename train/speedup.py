@@ -3,8 +3,11 @@ checkpoint marked, and the report written as JSON, Markdown and a plot.
 
 For each draft and temperature: measure alpha, c and v at a base gamma (4, or the middle of the list);
 predict the speedup of every gamma in the list from those (v grows linearly with the verified tokens);
-then measure at the predicted best gamma to confirm. The checkpoint with the highest measured speedup
-at the first temperature listed is the best; ``best.json`` in the run folder says which.
+then measure at the predicted best gamma to confirm. Token-tree shapes, when given, are each measured
+(there is no closed form to predict them from alpha); the tree that measured fastest is chosen over
+the chain when it measured faster than the chain at its best gamma (``best_tree``). The checkpoint
+with the highest measured speedup (of its chosen decoding) at the first temperature listed is the
+best; ``best.json`` in the run folder says which.
 """
 
 from __future__ import annotations
@@ -22,9 +25,23 @@ from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt
 from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.tree import TreeShape
 
 REPORT = "speedup_report.json"
 BEST = "best.json"  # the best draft of a run: {"checkpoint": name, ...}
+# What the report keeps of a measurement at one gamma or tree shape.
+FIGURES = (
+    "acceptance_rate",
+    "mean_accepted_tokens",
+    "cost_ratio_c",
+    "verify_ratio_v",
+    "predicted_speedup",
+    "speedup",
+    "target_tokens_per_s",
+    "spec_tokens_per_s",
+    "greedy_match",
+    "speedup_spread",
+)
 
 
 def measure_draft(
@@ -39,18 +56,20 @@ def measure_draft(
     repeats: int = 1,
     seed: int = 0,
     progress: bool = True,
+    trees: tuple[TreeShape, ...] = (),
 ) -> dict:
-    """The best gamma for one draft at one temperature, and alpha, tau, c, v and the speedup measured there."""
+    """The best gamma for one draft at one temperature, and alpha, tau, c, v and the speedup measured there;
+    with ``trees``, each shape's figures (``trees``) and the shape chosen over the chain, if any (``best_tree``)."""
     base = 4 if 4 in gammas else sorted(gammas)[len(gammas) // 2]
     sampling = SamplingParams(temperature)
 
-    def run(gamma: int) -> dict:
+    def run(options: DecodeOptions) -> dict:
         return evaluate_pair(
             target,
             draft,
             tokenizer,
             prompts,
-            options=DecodeOptions(gamma=gamma, sampling=sampling),
+            options=options,
             max_new_tokens=max_new_tokens,
             eos_ids=eos_ids,
             seed=seed,
@@ -58,35 +77,42 @@ def measure_draft(
             progress=progress,
         )
 
-    first = run(base)
+    first = run(DecodeOptions(gamma=base, sampling=sampling))
     # The prediction needs the per-position acceptance, which accepted / proposed understates for
     # gamma > 1 (tokens after a rejection count as proposed); tau at the base gamma gives it.
     alpha = alpha_from_tau(first["mean_accepted_tokens"] or 1.0, base)
     c, v = first["cost_ratio_c"], first["verify_ratio_v"]
     predicted = {g: predicted_speedup(alpha, g, c, 1 + (v - 1) * g / base) for g in gammas}
     best_gamma = max(predicted, key=predicted.get)
-    confirmed = first if best_gamma == base else run(best_gamma)
-    keys = (
-        "acceptance_rate",
-        "mean_accepted_tokens",
-        "cost_ratio_c",
-        "verify_ratio_v",
-        "predicted_speedup",
-        "speedup",
-        "target_tokens_per_s",
-        "spec_tokens_per_s",
-        "greedy_match",
-        "speedup_spread",
-    )
-    return {
+    confirmed = first if best_gamma == base else run(DecodeOptions(gamma=best_gamma, sampling=sampling))
+    result = {
         "temperature": temperature,
         "best_gamma": best_gamma,
-        **{k: confirmed[k] for k in keys},  # measured at the best gamma
+        **{k: confirmed[k] for k in FIGURES},  # measured at the best gamma
         "alpha_per_position": alpha,  # estimated from tau at the base gamma
         "base_gamma": base,
-        "at_base_gamma": {k: first[k] for k in keys},
+        "at_base_gamma": {k: first[k] for k in FIGURES},
         "predicted_by_gamma": {str(g): p for g, p in predicted.items()},
     }
+    if trees:
+        # A tree is drafted on the draft's own cache (an early-exit draft runs standalone for it).
+        measured = {t.text: run(DecodeOptions(tree=t, sampling=sampling, kv_reuse=False)) for t in trees}
+        result["trees"] = {shape: {k: r[k] for k in (*FIGURES, "nodes_per_round")} for shape, r in measured.items()}
+        result["best_tree"] = choose_tree(result)
+    return result
+
+
+def choose_tree(result: dict) -> str | None:
+    """The tree shape of ``result["trees"]`` that measured the highest speedup, when it beats the chain at
+    its best gamma (``result["speedup"]``); None keeps the chain."""
+    trees = result["trees"]
+    fastest = max(trees, key=lambda shape: trees[shape]["speedup"])
+    return fastest if trees[fastest]["speedup"] > result["speedup"] else None
+
+
+def chosen_figures(result: dict) -> dict:
+    """The figures of the decoding a measurement chose: its best tree's, else the chain's at the best gamma."""
+    return result["trees"][result["best_tree"]] if result.get("best_tree") else result
 
 
 def hardware() -> str:
@@ -118,28 +144,31 @@ def write_report(run_dir: Path, report: dict) -> str | None:
 
 def choose_best(candidates: dict[str, dict]) -> tuple[str, str | None]:
     """The best draft: walking the drafts by step, a later one replaces the current choice only when
-    its lowest repeat beats the choice's highest (its lead exceeds the measured spread). Returns the
-    name and, when the highest median speedup was not chosen for that reason, a note saying so."""
+    its lowest repeat beats the choice's highest (its lead exceeds the measured spread). Each draft is
+    judged by the decoding it chose (``chosen_figures``). Returns the name and, when the highest median
+    speedup was not chosen for that reason, a note saying so."""
+    speedup = {name: chosen_figures(r)["speedup"] for name, r in candidates.items()}
 
-    def low_high(r: dict) -> tuple[float, float]:
-        s = r.get("speedup_spread")
-        return (s["min"], s["max"]) if s else (r["speedup"], r["speedup"])
+    def low_high(name: str) -> tuple[float, float]:
+        spread = chosen_figures(candidates[name]).get("speedup_spread")
+        return (spread["min"], spread["max"]) if spread else (speedup[name], speedup[name])
 
     order = sorted(candidates, key=lambda n: candidates[n]["step"])
     best = order[0]
     for name in order[1:]:
-        if low_high(candidates[name])[0] > low_high(candidates[best])[1]:
+        if low_high(name)[0] > low_high(best)[1]:
             best = name
-    leader = max(order, key=lambda n: candidates[n]["speedup"])
+    leader = max(order, key=speedup.get)
     if leader == best:
         return best, None
     return best, (
-        f"{leader} measured the highest speedup ({candidates[leader]['speedup']:.2f}) but within the spread over "
-        f"repeats of the earlier {best} ({candidates[best]['speedup']:.2f}), so {best} is kept"
+        f"{leader} measured the highest speedup ({speedup[leader]:.2f}) but within the spread over "
+        f"repeats of the earlier {best} ({speedup[best]:.2f}), so {best} is kept"
     )
 
 
 def _markdown(report: dict) -> str:
+    trees = report["trees"]
     lines = [
         f"# Speedup report: {report['run']}",
         "",
@@ -150,6 +179,13 @@ def _markdown(report: dict) -> str:
         "| draft | step | temperature | alpha | tau | c | best gamma | predicted | measured speedup | greedy match |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if trees:
+        lines[2] += (
+            f" Token trees measured: {', '.join(trees)}; the fastest is chosen over the chain only when it "
+            "measured faster (**chosen**)."
+        )
+        lines[4] += " fastest tree: speedup, nodes per round |"
+        lines[5] += "---|"
     if report.get("best_note"):
         lines[4:4] = [f"Best draft: {report['best']}. {report['best_note']}.", ""]
     for name, by_temp in sorted(report["results"].items(), key=lambda kv: kv[1][next(iter(kv[1]))]["step"]):
@@ -160,8 +196,19 @@ def _markdown(report: dict) -> str:
                 f"| {name}{mark} | {r['step']} | {temp} | {r['acceptance_rate']:.3f} | "
                 f"{r['mean_accepted_tokens']:.2f} | {r['cost_ratio_c']:.3f} | {r['best_gamma']} | "
                 f"{r['predicted_speedup']:.2f} | {r['speedup']:.2f}{_range(r)} | {match} |"
+                + (f" {_tree_cell(r)} |" if trees else "")
             )
     return "\n".join(lines) + "\n"
+
+
+def _tree_cell(result: dict) -> str:
+    """The fastest tree of a measurement: shape, speedup (min-max) and nodes per round, marked when chosen."""
+    trees = result["trees"]
+    shape = max(trees, key=lambda t: trees[t]["speedup"])
+    t = trees[shape]
+    chosen = " **chosen**" if result["best_tree"] == shape else ""
+    nodes = "-" if t["nodes_per_round"] is None else f"{t['nodes_per_round']:.1f}"
+    return f"{shape}: {t['speedup']:.2f}{_range(t)}, {nodes}{chosen}"
 
 
 def _range(result: dict) -> str:

@@ -1,6 +1,6 @@
 """eval-run's best checkpoint: a later draft wins only when its lead exceeds the spread over repeats."""
 
-from draftsmith.train.speedup import choose_best
+from draftsmith.train.speedup import choose_best, choose_tree, chosen_figures
 
 
 def result(step, speedup, low, high):
@@ -26,3 +26,21 @@ def test_a_clear_lead_wins_and_single_repeats_compare_their_values():
     assert choose_best(clear) == ("checkpoint-2", None)
     single = {"initial": {"step": 0, "speedup": 1.2}, "checkpoint-2": {"step": 2, "speedup": 1.1}}
     assert choose_best(single) == ("initial", None)
+
+
+def test_a_tree_is_chosen_over_the_chain_only_when_it_measured_faster():
+    chain = {"speedup": 1.20, "trees": {"2": {"speedup": 1.10}, "3,2,1": {"speedup": 1.35}, "4": {"speedup": 1.30}}}
+    assert choose_tree(chain) == "3,2,1"
+    slower = {"speedup": 1.40, "trees": {"2": {"speedup": 1.10}, "3,2,1": {"speedup": 1.35}}}
+    assert choose_tree(slower) is None
+    tied = {"speedup": 1.35, "trees": {"3,2,1": {"speedup": 1.35}}}
+    assert choose_tree(tied) is None  # a tie keeps the chain, which transformers and vLLM can run too
+
+
+def test_drafts_are_compared_by_the_decoding_they_chose():
+    tree_wins = result(2, 1.05, 1.00, 1.10) | {"best_tree": "3,1", "trees": {"3,1": result(2, 1.60, 1.50, 1.70)}}
+    candidates = {"initial": result(0, 1.20, 1.15, 1.25), "checkpoint-2": tree_wins}
+    assert chosen_figures(tree_wins)["speedup"] == 1.60
+    assert choose_best(candidates) == ("checkpoint-2", None)  # its tree's 1.50 lowest beats 1.25
+    chain_only = candidates | {"checkpoint-2": tree_wins | {"best_tree": None}}
+    assert choose_best(chain_only) == ("initial", None)
