@@ -37,6 +37,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import resolve_device, resolve_dtype, resolve_model
 
@@ -181,8 +183,15 @@ def server_arguments(
     memory_fraction: float | None,
     prefix_caching: bool = False,
     max_logprobs: int | None = None,
+    whole_prefills: bool = False,
 ) -> list[str]:
-    """Command-line arguments of ``vllm serve`` after the command itself (model folders already resolved)."""
+    """Command-line arguments of ``vllm serve`` after the command itself (model folders already resolved).
+
+    whole_prefills: every prompt is prefilled within one engine step (chunked prefill off, a step's
+    token budget the longest sequence served). vLLM's CPU backend needs it for seeded sampling: when
+    a prompt is split over steps it rewinds the request's random generator, which a CPU generator
+    cannot do, and the engine dies.
+    """
     # --model, not the positional form: only `vllm serve` reads a positional model, the module ignores it.
     args = ["--model", model, "--host", HOST, "--port", str(port), "--served-model-name", Path(model).name]
     # "vllm": sampling defaults are neutral, so a model folder's generation_config cannot change what a
@@ -198,12 +207,20 @@ def server_arguments(
         args.append("--enforce-eager")
     if max_model_len is not None:
         args += ["--max-model-len", str(max_model_len)]
+    if whole_prefills:
+        budget = max_model_len or model_context(model)
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
     if memory_fraction is not None:
         args += ["--gpu-memory-utilization", str(memory_fraction)]
     if draft is not None:
         config = {"method": "draft_model", "model": draft, "num_speculative_tokens": gamma}
         args += ["--speculative-config", json.dumps(config)]
     return args
+
+
+def model_context(model: str) -> int:
+    """The longest sequence a model folder's config allows (what vLLM serves unless told a max_model_len)."""
+    return AutoConfig.from_pretrained(model).get_text_config().max_position_embeddings
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
@@ -310,17 +327,16 @@ def serve(
     may use). kv_cache_gib: the CPU backend's KV-cache size. port: default a free one. eager: skip
     torch.compile (faster start, slower decoding). memory_fraction: the GPU memory share of this
     server (two servers on one GPU need less than vLLM's default each). prefix_caching: reuse prompt
-    prefixes' KV (off: each request does the same work, as a measurement needs). max_logprobs: the
-    most log-probs a request may ask for per position. log_path: where the server's output goes
-    (default: a temporary file, removed after a clean exit, kept and named in any error).
+    prefixes' KV (off: each request does the same work, as measurements need). max_logprobs: most
+    log-probs per position a request may ask for. log_path: where the server's output goes (default:
+    a temporary file, removed after a clean exit, kept and named in any error).
     """
     if gamma < 1:
         raise DraftsmithError(f"gamma must be >= 1, got {gamma}")
     engine = engine or find_engine()
     device_type = resolve_device(device).type
     dtype_name = str(resolve_dtype(dtype, resolve_device(device_type))).removeprefix("torch.")
-    model_path = resolve_model(model)
-    draft_path = resolve_model(draft) if draft is not None else None
+    model_path, draft_path = resolve_model(model), (resolve_model(draft) if draft is not None else None)
     port = free_port() if port is None else check_port_free(port)
     env = server_environment(engine, device_type, threads, kv_cache_gib)
     args = server_arguments(
@@ -335,6 +351,7 @@ def serve(
         memory_fraction=memory_fraction,
         prefix_caching=prefix_caching,
         max_logprobs=max_logprobs,
+        whole_prefills=device_type == "cpu",  # see server_arguments
     )
     own_log = log_path is None
     log_path = temporary_log() if own_log else Path(log_path)

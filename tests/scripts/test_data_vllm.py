@@ -54,7 +54,7 @@ def server(engine, tmp_path_factory):
         yield running
 
 
-def builtin_args(output, *extra, prompts=5) -> list[str]:
+def builtin_args(output, *extra, prompts=5, temperature=0.0, max_new_tokens=24) -> list[str]:
     return [
         "data",
         "--prompts",
@@ -62,9 +62,9 @@ def builtin_args(output, *extra, prompts=5) -> list[str]:
         "--max-samples",
         str(prompts),
         "--temperature",
-        "0",
+        str(temperature),
         "--max-new-tokens",
-        "24",
+        str(max_new_tokens),
         "--dtype",
         "float32",
         "--batch-size",
@@ -102,6 +102,16 @@ def test_greedy_rows_through_vllm_are_the_bundled_decoders_rows(server, tmp_path
     # One engine's rows are not continued by the other's.
     assert main(builtin_args(ours, "--engine", "vllm", "--engine-url", server.url)) == 2
     assert 'was built with engine="draftsmith", not "vllm"' in capsys.readouterr().err
+
+
+def test_many_sampled_requests_at_once_keep_the_cpu_engine_alive(server, tmp_path):
+    # 112 seeded requests in flight: more prompt tokens than one engine step takes by default, which
+    # would split prompts over steps (and kill vLLM's CPU engine) unless the server prefills them whole.
+    out = tmp_path / "d"
+    extra = ["--engine", "vllm", "--engine-url", server.url, "--samples-per-prompt", "2", "--batch-size", "112"]
+    assert main(builtin_args(out, *extra, prompts=56, temperature=1.0, max_new_tokens=4)) == 0
+    rows = rows_by_key(out)
+    assert len(rows) == 112 and all(1 <= len(row["answer_ids"]) <= 4 for row in rows.values())
 
 
 def self_args(server, output, num_prompts) -> list[str]:

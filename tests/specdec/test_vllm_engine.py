@@ -94,6 +94,20 @@ def test_server_arguments_name_the_draft_and_gamma():
     assert config == {"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 4}
 
 
+def test_cpu_servers_prefill_every_prompt_in_one_step(tmp_path):
+    # vLLM's CPU backend kills the engine when a seeded request's prompt is split over steps.
+    common = {"port": 1, "dtype": "float32", "seed": 0, "draft": None, "gamma": 1, "eager": True}
+    args = server_arguments(model="/m/t", max_model_len=512, memory_fraction=None, whole_prefills=True, **common)
+    assert args[args.index("--no-enable-chunked-prefill") + 1 :][:2] == ["--max-num-batched-tokens", "512"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
+    args = server_arguments(
+        model=str(tmp_path), max_model_len=None, memory_fraction=None, whole_prefills=True, **common
+    )
+    assert args[args.index("--max-num-batched-tokens") + 1] == "2048"
+    args = server_arguments(model="/m/t", max_model_len=None, memory_fraction=None, **common)
+    assert "--no-enable-chunked-prefill" not in args and "--max-num-batched-tokens" not in args
+
+
 def test_cpu_environment_sets_threads_kv_cache_and_openmp(tmp_path):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
