@@ -10,10 +10,19 @@ Then the target as its own draft (gamma 3, batch 1), where both must accept 100 
 held-out evaluation prompts, repeated in order up to the largest batch size. Greedy decoding. Both
 engines run the same number of CPU threads (--threads, default every core of this process).
 
+Data generation (``draftsmith data``): answers' tokens/s of the bundled continuous-batching decoder
+and of vLLM (a server as ``--engine vllm`` starts it: prefix caching on; eager unless --compile),
+each through the engine object the data command uses, on the same distinct prompts (the training
+then the held-out ones), the same sampling (temperature 0.7, the data command's default; one seed
+per prompt), the same max_new_tokens and batch size (rows decoded together; requests in flight),
+after a short warm-up. Tokens are the answers' own, EOS included; the clock runs from the first
+prompt sent to the last answer back.
+
 Run: .venv/bin/python benchmarks/engine.py [--draft FOLDER] [--gammas 1,2,3,4] [--batch-sizes 1,16]
-(needs `make vllm`). Writes benchmarks/results/engine.json. On our 2 cores, shared with other jobs
-(load 7-10), the defaults with --threads 1 took 30 minutes, most of it the bundled decoder at batch
-16 and the six vLLM server starts.
+(needs `make vllm`). Writes benchmarks/results/engine.json and engine_data_generation.json;
+--data-only measures only the data generation (64 prompts, 128 tokens, batch 64 by default). On
+our 2 cores, shared with other jobs (load 7-10), the defaults with --threads 1 took 30 minutes, most
+of it the bundled decoder at batch 16 and the six vLLM server starts.
 """
 
 from __future__ import annotations
@@ -30,10 +39,14 @@ import torch
 from common import PROMPTS, default_target, save
 
 from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.engines import BundledEngine, VllmEngine
+from draftsmith.distill.self_prompts import derived_seed
 from draftsmith.specdec.evaluate import evaluate_pair
 from draftsmith.specdec.loading import DEFAULT_TARGET, cpu_has_native_bfloat16, load_model
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat, read_prompts
+from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.vllm_client import served_model
 from draftsmith.specdec.vllm_measure import measure_engine_pair
 from draftsmith.specdec.vllm_server import serve
 
@@ -98,6 +111,48 @@ def draft_pair(spec: str | None, target, tokenizer, folder: Path) -> tuple[torch
     return draft, str(folder), "the target's first 2 layers, untrained"
 
 
+def generation_rate(engine, prompts: list[list[int]], max_new_tokens: int, eos: frozenset[int]) -> dict:
+    """One pass of an engine over ``prompts`` as ``draftsmith data`` runs it: answers' tokens/s."""
+    sampling = SamplingParams(temperature=0.7)
+    seeds = [derived_seed(0, "engine-benchmark", i) for i in range(len(prompts))]
+    for _ in engine.stream(prompts[: min(8, len(prompts))], 8, sampling, eos, seeds[: min(8, len(prompts))]):
+        pass  # first requests and forwards pay for allocations
+    start = time.perf_counter()
+    answers = dict(engine.stream(prompts, max_new_tokens, sampling, eos, seeds))
+    seconds = time.perf_counter() - start
+    tokens = sum(len(a) for a in answers.values())
+    finished = sum(bool(a) and a[-1] in eos for a in answers.values())
+    return {"tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": tokens / seconds, "finished_rows": finished}
+
+
+def data_generation(target, tokenizer, eos, threads: int, args) -> dict:
+    """The bundled decoder vs vLLM generating dataset answers at equal settings (see the module docstring)."""
+    records = read_prompts(Path(__file__).parents[1] / "distill" / "data" / "prompts.jsonl") + read_prompts(PROMPTS)
+    if len(records) < args.data_prompts:
+        raise SystemExit(f"--data-prompts {args.data_prompts}: only {len(records)} distinct prompts are shipped")
+    prompts = [encode_chat(tokenizer, r.turns[0]) for r in records[: args.data_prompts]]
+    ours = generation_rate(BundledEngine(target, args.data_batch_size), prompts, args.data_max_new_tokens, eos)
+    print(f"data generation, bundled decoder: {ours['tokens_per_s']:.1f} tokens/s")
+    options = {"dtype": "float32", "eager": not args.compile, "threads": threads, "prefix_caching": True}
+    with serve(DEFAULT_TARGET, **options) as server:
+        engine = VllmEngine(server, served_model(server)["max_model_len"], args.data_batch_size)
+        theirs = generation_rate(engine, prompts, args.data_max_new_tokens, eos)
+        settings = {key: server.settings[key] for key in ("eager", "prefix_caching", "environment", "command")}
+    print(f"data generation, vLLM: {theirs['tokens_per_s']:.1f} tokens/s")
+    return {
+        "prompts": len(prompts),
+        "batch_size": args.data_batch_size,
+        "max_new_tokens": args.data_max_new_tokens,
+        "temperature": 0.7,
+        "threads": threads,
+        "dtype": "float32",
+        "bundled": ours,
+        "vllm": theirs,
+        "vllm_over_bundled": theirs["tokens_per_s"] / ours["tokens_per_s"],
+        "vllm_server": settings,
+    }
+
+
 def table(rows: list[dict]) -> str:
     head = (
         f"{'gamma':>5}{'batch':>6} | {'vLLM alpha':>10}{'tau':>6}{'target t/s':>11}{'spec t/s':>9}"
@@ -128,6 +183,10 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads of both engines (default: every core of this process)"
     )
+    parser.add_argument("--data-only", action="store_true", help="measure only the data generation")
+    parser.add_argument("--data-prompts", type=int, default=64, help="data generation: distinct prompts")
+    parser.add_argument("--data-batch-size", type=int, default=64, help="data generation: rows / requests in flight")
+    parser.add_argument("--data-max-new-tokens", type=int, default=128, help="data generation: answer length limit")
     args = parser.parse_args()
     gammas = [int(g) for g in args.gammas.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -137,6 +196,9 @@ def main() -> None:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     target, tokenizer, eos = default_target()
+    if args.data_only:
+        save_data_generation(data_generation(target, tokenizer, eos, threads, args), facts, started)
+        return
     prompts = held_out_prompts(max(sizes + [args.batch1_prompts]))
 
     def chosen(size: int):
@@ -185,6 +247,19 @@ def main() -> None:
         f"speedup {self_bundled['speedup']:.2f} (predicted {self_bundled['predicted_speedup']:.2f})"
     )
     save("engine", result)
+    save_data_generation(data_generation(target, tokenizer, eos, threads, args), cpu_facts(), time.perf_counter())
+
+
+def save_data_generation(result: dict, facts: dict, started: float) -> None:
+    """Print the data-generation line and write its results (``save`` adds the machine it ran on)."""
+    result.update(target=DEFAULT_TARGET, cpu_flags=facts["flags"], seconds=round(time.perf_counter() - started, 1))
+    result.update(load_average_at_start=facts["load_average_at_start"], load_average_at_end=os.getloadavg())
+    print(
+        f"data generation, {result['prompts']} prompts x {result['max_new_tokens']} tokens at batch "
+        f"{result['batch_size']}: vLLM {result['vllm']['tokens_per_s']:.1f} tokens/s, bundled decoder "
+        f"{result['bundled']['tokens_per_s']:.1f} tokens/s ({result['vllm_over_bundled']:.2f}x)"
+    )
+    save("engine_data_generation", result)
 
 
 if __name__ == "__main__":
