@@ -27,6 +27,7 @@ from draftsmith.distill.dataset_builder import (
     check_settings,
     sampling_settings,
 )
+from draftsmith.distill.dataset_cache import build_dataset_cache
 from draftsmith.distill.engines import BundledEngine, GenerationEngine, VllmEngine
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, source_settings
@@ -116,6 +117,17 @@ def parser() -> argparse.ArgumentParser:
         help="rows decoded together; with --engine vllm, requests in flight (default: 64)",
     )
     p.add_argument("--shard-rows", type=int, default=256, help="rows per saved shard (default: 256)")
+    p.add_argument(
+        "--teacher-cache",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also store the target's K most likely tokens and their log-probs at every answer position "
+        "(teacher-cache-kK/ in the folder), so `distill dataset=FOLDER teacher_cache=true teacher_top_k=K` (or "
+        "less) reads them instead of running the target. Computed with draftsmith's own copy of the target in "
+        "--dtype, with either --engine, after the answers; rows added later are cached when the step runs "
+        "again with the option (default: none)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
     p.add_argument(
         "--dtype",
@@ -190,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             raise DraftsmithError(f"{flag} must be >= 1, got {value}")
     if args.max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.teacher_cache is not None and args.teacher_cache < 1:
+        raise DraftsmithError(f"--teacher-cache must be >= 1 (tokens kept per position), got {args.teacher_cache}")
     check_engine_options(args)
     device = resolve_device(args.device)
     state = PartialState(cpu=device.type == "cpu")  # several CPU processes talk over gloo
@@ -216,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output)
     check_settings(output, settings)  # before the model loads: a refused build fails at once
     tokenizer = load_tokenizer(args.target)
+    teacher = None  # the target as the teacher cache's model, when this process already holds it
     with generation_engine(args, device, dtype, tokenizer) as (engine, eos_ids):
         manifest = build_dataset(
             output,
@@ -229,10 +244,21 @@ def main(argv: list[str] | None = None) -> int:
             group=group,
             progress=not args.no_progress,
         )
+        if args.engine == "draftsmith":
+            teacher = engine.model
+    if args.teacher_cache is not None:  # after the engine is gone: a vLLM server's memory is free again
+        if teacher is None:
+            teacher = load_model(args.target, device, dtype)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        description = {"target": args.target, "dtype": str(dtype).removeprefix("torch."), "computed_by": "draftsmith"}
+        manifest = build_dataset_cache(output, teacher, args.teacher_cache, description, group, pad_id=pad)
     if group.is_main:
         counts = manifest["counts"]
         print(
             f"{output}: {counts['rows']} rows, {counts['prompts']} prompts, {counts['answer_tokens']} answer tokens "
             f"({manifest['seconds']:.0f} s of building in all)\n{json.dumps(counts['rows_by_topic'])}"
         )
+        if args.teacher_cache is not None:
+            cached = manifest["teacher_cache"][str(args.teacher_cache)]
+            print(f"teacher cache: top {args.teacher_cache} at {cached['tokens']} answer positions, {cached['dtype']}")
     return 0

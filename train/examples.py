@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill import data as ddata
-from draftsmith.distill import dataset_builder, teacher_cache, vocab_cut
+from draftsmith.distill import dataset_builder, dataset_cache, teacher_cache, vocab_cut
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import draftsmith_home, eos_token_ids
 from draftsmith.specdec.sampling import SamplingParams
@@ -184,18 +184,20 @@ def teacher(
             return logits if head_ids is None else vocab_cut.teacher_log_probs(logits, head_ids, temperature)
 
         return live
-    folder = teacher_cache.folder_for(target_name(cfg), target.dtype, train_examples + heldout, cfg.teacher_top_k)
-    with accelerator.main_process_first():
-        teacher_cache.build(
-            target,
-            train_examples + heldout,
-            folder,
-            cfg.teacher_top_k,
-            cfg.batch_size,
-            pad_id=pad,
-            progress=accelerator.is_main_process,
-        )
-    entries = teacher_cache.lookup(folder, train_examples)
+    entries = dataset_teacher_entries(cfg, target, train_examples, accelerator)
+    if entries is None:
+        folder = teacher_cache.folder_for(target_name(cfg), target.dtype, train_examples + heldout, cfg.teacher_top_k)
+        with accelerator.main_process_first():
+            teacher_cache.build(
+                target,
+                train_examples + heldout,
+                folder,
+                cfg.teacher_top_k,
+                cfg.batch_size,
+                pad_id=pad,
+                progress=accelerator.is_main_process,
+            )
+        entries = teacher_cache.lookup(folder, train_examples)
     for i, example in enumerate(train_examples):
         example["index"] = i  # the batch's rows are these entries
 
@@ -206,3 +208,20 @@ def teacher(
         return teacher_cache.subset_teacher_logprobs(rows, batch["loss_mask"], head_ids, vocab, temperature)
 
     return cached
+
+
+def dataset_teacher_entries(
+    cfg: DistillConfig, target, examples: list[dict], accelerator: Accelerator
+) -> dataset_cache.Entries | None:
+    """The training examples' teacher entries from the top-k cache a ``draftsmith data`` folder carries
+    (``--teacher-cache K``, K >= teacher_top_k, the run's teacher dtype), or None: then the run builds its own."""
+    folder = Path(cfg.dataset)
+    if dataset_builder.read_manifest(folder) is None:
+        return None
+    dtype = str(target.dtype).removeprefix("torch.")
+    entries = dataset_cache.dataset_entries(folder, examples, dtype, cfg.teacher_top_k, cfg.max_length)
+    if entries is not None:
+        accelerator.print(
+            f"teacher: the top-{cfg.teacher_top_k} cache {folder} carries (the target is not run over it)"
+        )
+    return entries

@@ -1,0 +1,73 @@
+"""``draftsmith data --teacher-cache K``, then ``distill dataset=FOLDER teacher_cache=true``: the run reads the
+dataset's cache and never gives the target a training row."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.cli import main
+from draftsmith.train.config import DistillConfig, config_path, load_config
+from tests.helpers import save_tiny_pair
+from tests.train.test_teacher_cache_reuse import watched_run
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def data_args(target, output, *extra) -> list[str]:
+    common = ["--prompts", "builtin", "--max-samples", "14", "--temperature", "1.0", "--max-new-tokens", "24"]
+    return [
+        "data",
+        "--target",
+        str(target),
+        *common,
+        "--shard-rows",
+        "5",
+        "--no-progress",
+        "--output",
+        str(output),
+        *extra,
+    ]
+
+
+def run_cfg(target, data, folder) -> DistillConfig:
+    overrides = [f"target={target}", f"dataset={data}", "heldout=2", "max_steps=3", "save_steps=3", "log_steps=3"]
+    overrides += ["teacher_cache=true", "teacher_top_k=6", "max_length=24", "batch_size=4", f"output_dir={folder}"]
+    return load_config(DistillConfig, config_path("tiny"), overrides)
+
+
+def first_loss(folder) -> float:
+    return json.loads((folder / "losses.jsonl").read_text().splitlines()[0])["loss"]
+
+
+def test_distill_reads_the_cache_the_data_step_built(tmp_path, monkeypatch, capsys):
+    target = save_tiny_pair(tmp_path / "pair")[0]
+    data = tmp_path / "ds"
+    assert main(data_args(target, data)) == 0
+    # Without a dataset cache the run builds its own: the target sees every training row once.
+    rows, train_examples, _ = watched_run(run_cfg(target, data, tmp_path / "own"), monkeypatch)
+    training_rows = {tuple(e["input_ids"]) for e in train_examples}
+    assert len(training_rows) >= 8 and training_rows <= set(rows)
+    assert any(len(e["input_ids"]) == 24 for e in train_examples)  # answers cut at max_length
+
+    # The same command with --teacher-cache: nothing new to answer, the cache is added (k=8 >= the run's 6).
+    assert main(data_args(target, data, "--teacher-cache", "8")) == 0
+    printed = capsys.readouterr().out
+    manifest = json.loads((data / "manifest.json").read_text())
+    cached = manifest["teacher_cache"]["8"]
+    assert (cached["target"], cached["dtype"], cached["shards"]) == (str(target), "float32", 3)
+    assert cached["tokens"] == manifest["counts"]["answer_tokens"]
+    assert f"teacher cache: top 8 at {cached['tokens']} answer positions, float32" in printed
+
+    rows, again, _ = watched_run(run_cfg(target, data, tmp_path / "from-data"), monkeypatch)
+    assert {tuple(e["input_ids"]) for e in again} == training_rows
+    assert not training_rows & set(rows)  # the target never ran over a training row
+    assert f"teacher: the top-6 cache {data} carries" in capsys.readouterr().out
+    # The same teacher: top 6 of the dataset's top 8, cut to max_length 24 (float16 entries both times).
+    assert first_loss(tmp_path / "from-data") == pytest.approx(first_loss(tmp_path / "own"), rel=1e-4)
