@@ -21,7 +21,10 @@ def read_losses(run):
     return [json.loads(line)["loss"] for line in (run / "losses.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+# 0: the full head; 40: the head cut to 40 of the tiny target's 103 tokens in training, which must
+# reach the DDP-wrapped draft's forward.
+@pytest.mark.parametrize("cut", [0, 40])
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path, cut):
     two = tmp_path / "two"
     two.mkdir()
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -37,6 +40,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
         str(two),
         f"output_dir={two / 'run'}",
         "batch_size=4",
+        f"train_draft_vocab={cut}",
         *COMMON,
     ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -52,7 +56,8 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
         load_config(
             DistillConfig,
             config_path("tiny"),
-            [f"output_dir={tmp_path / 'one'}", "batch_size=4", *COMMON[:-1], "grad_accum=2"],
+            [f"output_dir={tmp_path / 'one'}", "batch_size=4", f"train_draft_vocab={cut}", *COMMON[:-1]]
+            + ["grad_accum=2"],
         )
     ).run_dir
     assert read_losses(two / "run") == pytest.approx(read_losses(one), rel=1e-4)
