@@ -12,12 +12,16 @@ Rows are cached whole (prompt + answer, nothing cut), one cache per answer shard
   distribution at a position does not depend on what follows it), and a run with ``teacher_top_k``
   <= K the first ``teacher_top_k`` columns (entries are sorted, most likely first): exactly what
   ``teacher_cache.build`` would have written for the run's own examples.
-The manifest's ``teacher_cache`` records, per K, the target and dtype that computed it.
+The target computes it in draftsmith (``teacher_cache.build``) or in a vLLM server from its prompt
+log-probs (the same top-k of the same log-softmax, in the engine's own kernels). The manifest's
+``teacher_cache`` records, per K, the target, dtype and engine that computed it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import datasets
@@ -29,6 +33,8 @@ from draftsmith.distill.data import target_examples
 from draftsmith.distill.dataset_builder import MANIFEST, ProcessGroup, read_manifest, shard_paths
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import write_text
+from draftsmith.specdec.vllm_client import complete
+from draftsmith.specdec.vllm_server import Server
 
 Entries = list[tuple[torch.Tensor, torch.Tensor]]  # per example: (indices (N, k), log-probs (N, k))
 
@@ -49,28 +55,25 @@ def row_examples(shard: datasets.Dataset, max_length: int | None = None) -> list
 
 def build_dataset_cache(
     folder: Path,
-    target: PreTrainedModel,
     top_k: int,
+    write_cache: Callable[[list[dict], Path], None],
     description: dict,
     group: ProcessGroup | None = None,
-    batch_size: int = 8,
-    pad_id: int = 0,
 ) -> dict:
     """The top-k cache of every answer shard not cached yet (each process every N-th); the manifest.
 
-    description: what computed it (target, dtype, ...), recorded in the manifest under ``top_k``.
+    write_cache(examples, cache folder): writes one shard's cache (``target_cache_writer``,
+    ``engine_cache_writer``). description: what computed it (target, dtype, ...), recorded in the
+    manifest under ``top_k``.
     """
     group = group or ProcessGroup()
     if top_k < 1:
         raise DraftsmithError(f"--teacher-cache must be >= 1 (tokens kept per position), got {top_k}")
-    if top_k > target.config.vocab_size:
-        raise DraftsmithError(f"--teacher-cache {top_k} exceeds the target's vocabulary ({target.config.vocab_size})")
     shards = shard_paths(folder)
     for shard in shards[group.index :: group.count]:
-        examples = [e for e in row_examples(datasets.load_from_disk(str(shard))) if e is not None]
-        teacher_cache.build(
-            target, examples, cache_folder(folder, top_k) / shard.name, top_k, batch_size, pad_id=pad_id
-        )
+        out = cache_folder(folder, top_k) / shard.name
+        if not (out / "meta.json").is_file():
+            write_cache([e for e in row_examples(datasets.load_from_disk(str(shard))) if e is not None], out)
     group.barrier()
     manifest = read_manifest(folder)
     if group.is_main:
@@ -82,6 +85,40 @@ def build_dataset_cache(
         write_text(Path(folder) / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     group.barrier()
     return manifest
+
+
+def target_cache_writer(
+    target: PreTrainedModel, top_k: int, batch_size: int = 8, pad_id: int = 0
+) -> Callable[[list[dict], Path], None]:
+    """Shard caches computed by draftsmith's own copy of the target (``teacher_cache.build``)."""
+    if top_k > target.config.vocab_size:
+        raise DraftsmithError(f"--teacher-cache {top_k} exceeds the target's vocabulary ({target.config.vocab_size})")
+
+    def write(examples: list[dict], out: Path) -> None:
+        teacher_cache.build(target, examples, out, top_k, batch_size, pad_id=pad_id, progress=False)
+
+    return write
+
+
+def engine_cache_writer(server: Server, top_k: int, concurrency: int = 64) -> Callable[[list[dict], Path], None]:
+    """Shard caches computed by a vLLM server from its prompt log-probs: each row is sent whole as a
+    prompt with ``prompt_logprobs=top_k`` (the server must allow that many: ``--max-logprobs``), and
+    the distribution predicting token t+1 is kept at every loss position t."""
+
+    def entry(example: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        answer = complete(server, example["input_ids"], max_tokens=1, prompt_logprobs=top_k)
+        tops = answer.prompt_logprobs  # [t]: the top k after tokens 0..t, predicting token t + 1
+        rows = [tops[t] for t, counts in enumerate(example["loss_mask"]) if counts]
+        if any(len(ids) != top_k for ids, _ in rows):
+            raise DraftsmithError(f"the vLLM server returned fewer than {top_k} log-probs at a position")
+        return torch.tensor([ids for ids, _ in rows]), torch.tensor([logps for _, logps in rows])
+
+    def write(examples: list[dict], out: Path) -> None:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            entries = list(pool.map(entry, examples))
+        teacher_cache.save(out, examples, entries, top_k)
+
+    return write
 
 
 def dataset_entries(folder: Path, examples: list[dict], dtype: str, top_k: int, max_length: int) -> Entries | None:

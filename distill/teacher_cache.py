@@ -66,16 +66,12 @@ def build(
     if (folder / "meta.json").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    unique: dict[bytes, dict] = {}
-    for example in examples:  # a repeated example is run once
-        unique.setdefault(example_digest(example), example)
-    digests, examples = list(unique), list(unique.values())
+    digests, examples = unique_examples(examples)  # a repeated example is run once
     n_shards = (len(examples) + shard_size - 1) // shard_size
     tokens = 0
     for shard in tqdm(range(n_shards), desc="teacher cache", disable=not progress, unit="shard"):
         chunk = examples[shard * shard_size : (shard + 1) * shard_size]
-        chunk_digests = digests[shard * shard_size : (shard + 1) * shard_size]
-        ids, logps, counts = [], [], []
+        ids, logps = [], []
         for start in range(0, len(chunk), batch_size):
             batch = collate(chunk[start : start + batch_size], pad_id)
             batch = {k: v.to(target.device) for k, v in batch.items()}
@@ -83,27 +79,63 @@ def build(
             top = torch.topk(torch.log_softmax(logits.float(), -1), top_k, dim=-1)
             for row in range(len(logits)):
                 mask = batch["loss_mask"][row]
-                ids.append(top.indices[row][mask].to(torch.int32).cpu())
-                logps.append(top.values[row][mask].to(torch.float16).cpu())
-                counts.append(int(mask.sum()))
-        tokens += sum(counts)
-        tensors = {
-            "indices": torch.cat(ids),
-            "logprobs": torch.cat(logps),
-            "counts": torch.tensor(counts),
-            "digests": torch.frombuffer(bytearray(b"".join(chunk_digests)), dtype=torch.uint8).view(-1, 16),
-        }
-        with atomic_path(folder / f"shard-{shard:05d}.safetensors") as tmp:
-            save_file(tensors, tmp)
-    meta = {
-        "examples": len(examples),
-        "tokens": tokens,
-        "top_k": top_k,
-        "shards": n_shards,
-        "bytes_per_token": 6 * top_k,
-    }
-    write_text(folder / "meta.json", json.dumps(meta, indent=2))
+                ids.append(top.indices[row][mask].cpu())
+                logps.append(top.values[row][mask].cpu())
+        tokens += write_shard(folder, shard, digests[shard * shard_size : (shard + 1) * shard_size], ids, logps)
+    write_meta(folder, len(examples), tokens, top_k, n_shards)
     return folder
+
+
+def save(
+    folder: Path,
+    examples: list[dict],
+    entries: list[tuple[torch.Tensor, torch.Tensor]],
+    top_k: int,
+    shard_size: int = 256,
+) -> Path:
+    """Write ``entries`` computed elsewhere (e.g. a serving engine's prompt log-probs), one per example:
+    (indices (N, k), log-probs (N, k)) at its N loss positions, as ``build`` writes them."""
+    by_digest = {example_digest(e): entry for e, entry in zip(examples, entries, strict=True)}
+    digests = unique_examples(examples)[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    n_shards = (len(digests) + shard_size - 1) // shard_size
+    tokens = 0
+    for shard in range(n_shards):
+        chunk = digests[shard * shard_size : (shard + 1) * shard_size]
+        tokens += write_shard(folder, shard, chunk, [by_digest[d][0] for d in chunk], [by_digest[d][1] for d in chunk])
+    write_meta(folder, len(digests), tokens, top_k, n_shards)
+    return folder
+
+
+def unique_examples(examples: list[dict]) -> tuple[list[bytes], list[dict]]:
+    """(content digests, examples) with each content once, in first-seen order."""
+    unique: dict[bytes, dict] = {}
+    for example in examples:
+        unique.setdefault(example_digest(example), example)
+    return list(unique), list(unique.values())
+
+
+def write_shard(
+    folder: Path, shard: int, digests: list[bytes], ids: list[torch.Tensor], logps: list[torch.Tensor]
+) -> int:
+    """One shard file, atomically: per example its digest and its (N, k) token ids (int32) and
+    log-probs (float16); returns the tokens (loss positions) written."""
+    counts = [len(i) for i in ids]
+    tensors = {
+        "indices": torch.cat(ids).to(torch.int32),
+        "logprobs": torch.cat(logps).to(torch.float16),
+        "counts": torch.tensor(counts),
+        "digests": torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).view(-1, 16),
+    }
+    with atomic_path(folder / f"shard-{shard:05d}.safetensors") as tmp:
+        save_file(tensors, tmp)
+    return sum(counts)
+
+
+def write_meta(folder: Path, examples: int, tokens: int, top_k: int, shards: int) -> None:
+    """meta.json, written last: a cache folder without it is incomplete."""
+    meta = {"examples": examples, "tokens": tokens, "top_k": top_k, "shards": shards, "bytes_per_token": 6 * top_k}
+    write_text(folder / "meta.json", json.dumps(meta, indent=2))
 
 
 def load(folder: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from draftsmith.distill.dataset_builder import (
     check_settings,
     sampling_settings,
 )
-from draftsmith.distill.dataset_cache import build_dataset_cache
+from draftsmith.distill.dataset_cache import build_dataset_cache, engine_cache_writer, target_cache_writer
 from draftsmith.distill.engines import BundledEngine, GenerationEngine, VllmEngine
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, source_settings
@@ -124,9 +124,10 @@ def parser() -> argparse.ArgumentParser:
         metavar="K",
         help="also store the target's K most likely tokens and their log-probs at every answer position "
         "(teacher-cache-kK/ in the folder), so `distill dataset=FOLDER teacher_cache=true teacher_top_k=K` (or "
-        "less) reads them instead of running the target. Computed with draftsmith's own copy of the target in "
-        "--dtype, with either --engine, after the answers; rows added later are cached when the step runs "
-        "again with the option (default: none)",
+        "less) reads them instead of running the target. Computed after the answers by the same engine: "
+        "draftsmith's copy of the target, or vLLM's prompt log-probs (a server at --engine-url must allow K: "
+        "its --max-logprobs); distill uses it when its teacher dtype is the one recorded. Rows added later are "
+        "cached when the step runs again with the option (default: none)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
     p.add_argument(
@@ -180,10 +181,19 @@ def generation_engine(
         yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
         return
     options = {"threads": args.engine_threads, "eager": args.engine_eager, "prefix_caching": True}
+    options["max_logprobs"] = args.teacher_cache  # None: vLLM's default
     with serve(
         args.target, dtype=str(dtype).removeprefix("torch."), device=str(device), seed=args.seed, **options
     ) as server:
         yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
+
+
+def cache_writer(args: argparse.Namespace, engine: GenerationEngine, tokenizer) -> Callable[[list[dict], Path], None]:
+    """How --teacher-cache computes a shard's cache: with the engine that wrote the answers."""
+    if args.engine == "vllm":
+        return engine_cache_writer(engine.server, args.teacher_cache, args.batch_size)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return target_cache_writer(engine.model, args.teacher_cache, pad_id=pad)
 
 
 def engine_dtype(args: argparse.Namespace, dtype) -> str:
@@ -230,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output)
     check_settings(output, settings)  # before the model loads: a refused build fails at once
     tokenizer = load_tokenizer(args.target)
-    teacher = None  # the target as the teacher cache's model, when this process already holds it
     with generation_engine(args, device, dtype, tokenizer) as (engine, eos_ids):
         manifest = build_dataset(
             output,
@@ -244,14 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             group=group,
             progress=not args.no_progress,
         )
-        if args.engine == "draftsmith":
-            teacher = engine.model
-    if args.teacher_cache is not None:  # after the engine is gone: a vLLM server's memory is free again
-        if teacher is None:
-            teacher = load_model(args.target, device, dtype)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        description = {"target": args.target, "dtype": str(dtype).removeprefix("torch."), "computed_by": "draftsmith"}
-        manifest = build_dataset_cache(output, teacher, args.teacher_cache, description, group, pad_id=pad)
+        if args.teacher_cache is not None:
+            description = {"target": args.target, "dtype": settings.dtype, "computed_by": engine.name}
+            writer = cache_writer(args, engine, tokenizer)
+            manifest = build_dataset_cache(output, args.teacher_cache, writer, description, group)
     if group.is_main:
         counts = manifest["counts"]
         print(

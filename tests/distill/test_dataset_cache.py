@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftsmith.distill.dataset_builder import BuildSettings, build_dataset, load_built, training_examples
-from draftsmith.distill.dataset_cache import build_dataset_cache, cache_folder, dataset_entries
+from draftsmith.distill.dataset_cache import build_dataset_cache, cache_folder, dataset_entries, target_cache_writer
 from draftsmith.distill.engines import BundledEngine
 from draftsmith.distill.prompt_sources import PromptRecord
 from draftsmith.specdec.errors import DraftsmithError
@@ -58,7 +58,7 @@ def own_top_k(model, ids: list[int], loss_mask: list[int], k: int) -> tuple[torc
 def test_every_row_is_cached_whole_and_a_run_reads_it_cut_to_its_examples(tmp_path, model):
     folder = tmp_path / "d"
     build(folder, model, 7)  # shards of 3 + 3 + 1 rows
-    manifest = build_dataset_cache(folder, model, 8, MADE_BY)
+    manifest = build_dataset_cache(folder, 8, target_cache_writer(model, 8), MADE_BY)
     answer_tokens = sum(len(a) for a in load_built(folder)["answer_ids"])
     assert manifest["teacher_cache"] == {"8": {**MADE_BY, "top_k": 8, "shards": 3, "tokens": answer_tokens}}
     assert json.loads((folder / "manifest.json").read_text())["teacher_cache"] == manifest["teacher_cache"]
@@ -83,7 +83,7 @@ def test_every_row_is_cached_whole_and_a_run_reads_it_cut_to_its_examples(tmp_pa
 def test_rows_added_later_and_a_shard_cache_cut_short_are_cached_when_the_step_runs_again(tmp_path, model):
     folder = tmp_path / "d"
     build(folder, model, 4)
-    build_dataset_cache(folder, model, 6, MADE_BY)
+    build_dataset_cache(folder, 6, target_cache_writer(model, 6), MADE_BY)
     kept = cache_folder(folder, 6) / "shard-r0-00000" / "shard-00000.safetensors"
     written = kept.stat().st_mtime_ns
     (cache_folder(folder, 6) / "shard-r0-00001" / "meta.json").unlink()  # as a build killed before its end leaves it
@@ -91,7 +91,7 @@ def test_rows_added_later_and_a_shard_cache_cut_short_are_cached_when_the_step_r
     examples = training_examples(folder, max_length=256)
     assert dataset_entries(folder, examples, "float32", top_k=6, max_length=256) is None  # not all covered
 
-    manifest = build_dataset_cache(folder, model, 6, MADE_BY)
+    manifest = build_dataset_cache(folder, 6, target_cache_writer(model, 6), MADE_BY)
     assert manifest["teacher_cache"]["6"]["shards"] == 4
     assert kept.stat().st_mtime_ns == written  # a finished shard cache is not built again
     entries = dataset_entries(folder, examples, "float32", top_k=6, max_length=256)
@@ -99,7 +99,6 @@ def test_rows_added_later_and_a_shard_cache_cut_short_are_cached_when_the_step_r
         assert torch.equal(ids, own_top_k(model, example["input_ids"], example["loss_mask"], 6)[0])
 
 
-def test_more_tokens_per_position_than_the_vocabulary_is_refused(tmp_path, model):
-    build(tmp_path / "d", model, 2)
+def test_more_tokens_per_position_than_the_vocabulary_is_refused(model):
     with pytest.raises(DraftsmithError, match="--teacher-cache 33 exceeds the target's vocabulary"):
-        build_dataset_cache(tmp_path / "d", model, 33, MADE_BY)
+        target_cache_writer(model, 33)

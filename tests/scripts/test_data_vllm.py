@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from draftsmith.cli import main
-from draftsmith.distill.dataset_builder import load_built, read_self_prompts, shard_paths
+from draftsmith.distill.dataset_builder import load_built, read_self_prompts, shard_paths, training_examples
+from draftsmith.distill.dataset_cache import dataset_entries
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.loading import DEFAULT_TARGET, load_tokenizer
+from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.specdec.vllm_server import HOST, find_engine, serve
 from tests.scripts.test_data_cli import KILLED_RUN
@@ -112,6 +113,29 @@ def test_many_sampled_requests_at_once_keep_the_cpu_engine_alive(server, tmp_pat
     assert main(builtin_args(out, *extra, prompts=56, temperature=1.0, max_new_tokens=4)) == 0
     rows = rows_by_key(out)
     assert len(rows) == 112 and all(1 <= len(row["answer_ids"]) <= 4 for row in rows.values())
+
+
+def test_the_engine_writes_the_teacher_cache_from_its_prompt_logprobs(server, tmp_path):
+    out = tmp_path / "d"
+    extra = ["--engine", "vllm", "--engine-url", server.url, "--teacher-cache", "8"]
+    assert main(builtin_args(out, *extra, prompts=3, max_new_tokens=16)) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    record = manifest["teacher_cache"]["8"]
+    assert (record["computed_by"], record["dtype"], record["target"]) == ("vllm", "float32", DEFAULT_TARGET)
+    assert record["tokens"] == manifest["counts"]["answer_tokens"]
+    examples = training_examples(out, max_length=1024)
+    entries = dataset_entries(out, examples, "float32", top_k=8, max_length=1024)
+    model = load_model(DEFAULT_TARGET, torch.device("cpu"), torch.float32)
+    for example, (ids, logps) in zip(examples, entries, strict=True):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([example["input_ids"]])).logits[0].double()  # (T, V)
+        own = torch.log_softmax(logits, -1)[torch.tensor(example["loss_mask"], dtype=torch.bool)]  # (N, V)
+        assert ids.shape == (sum(example["loss_mask"]), 8)
+        assert torch.equal(ids[:, 0], own.argmax(-1))  # the engine's most likely token is the target's
+        # Its log-probs are the target's (float16 in the cache), and its top 8 are among the target's top 9.
+        assert torch.allclose(logps.double(), own.gather(1, ids), atol=2e-2)
+        top9 = own.topk(9).indices
+        assert all(set(row.tolist()) <= set(t.tolist()) for row, t in zip(ids, top9, strict=True))
 
 
 def self_args(server, output, num_prompts) -> list[str]:
