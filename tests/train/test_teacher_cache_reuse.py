@@ -44,6 +44,12 @@ def watched_run(cfg: DistillConfig, monkeypatch) -> tuple[list[tuple[int, ...]],
 
 
 def test_the_target_teaches_each_example_once_and_a_second_run_never_runs_it_on_training_rows(tmp_path, monkeypatch):
+    with pytest.MonkeyPatch.context() as home:  # a home of its own: no cache another test built for this data
+        home.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+        teaches_once_then_never(tmp_path, monkeypatch)
+
+
+def teaches_once_then_never(tmp_path: Path, monkeypatch) -> None:
     # 48 training examples in batches of 8: 6 steps an epoch, so 8 steps make two epochs.
     common = {"teacher_cache": "true", "teacher_top_k": 8, "max_steps": 8, "save_steps": 8, "log_steps": 4}
     rows, train_examples, heldout = watched_run(tiny_cfg(tmp_path / "first", **common), monkeypatch)
