@@ -89,6 +89,7 @@ class Tally:
     tokens: int = 0
     seconds: float = 0.0
     stats: list[DecodeStats] = field(default_factory=list)
+    outputs: list[list[list[int]]] = field(default_factory=list)  # the target's: each call's tokens per sequence
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,6 +99,64 @@ class Tally:
         self.tokens += stats.new_tokens
         self.seconds += stats.total_time
         self.stats.append(stats)
+
+
+@dataclass
+class Baseline:
+    """Target-only runs over a prompt set, timed once (``measure_baseline``) and shared by the drafts
+    ``evaluate_pair`` measures against it: one Tally per repeat, its stats and outputs in the order in
+    which a repeat visits the batches. ``settings``: what the runs depend on (``baseline_settings``)."""
+
+    settings: dict
+    repeats: list[Tally]
+
+
+def baseline_settings(
+    prompts: list[Prompt], max_new_tokens: int, options: DecodeOptions, seed: int, batch_size: int
+) -> dict:
+    """What target-only runs depend on: prompts, length, sampling, seeds, batching and cache kind."""
+    sampling = options.sampling
+    return {
+        "prompts": [(p.id, p.category, p.turns, p.text) for p in prompts],
+        "max_new_tokens": max_new_tokens,
+        "sampling": (sampling.temperature, sampling.top_k, sampling.top_p),
+        "seed": seed,
+        "batch_size": batch_size,
+        "cache_kind": options.cache_kind,
+    }
+
+
+def measure_baseline(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[Prompt],
+    *,
+    options: DecodeOptions = DecodeOptions(),
+    max_new_tokens: int = 128,
+    eos_ids: frozenset[int] = frozenset(),
+    seed: int = 0,
+    repeats: int = 3,
+    batch_size: int = 1,
+    progress: bool = True,
+) -> Baseline:
+    """Time the target-only decoder over ``prompts`` once, as ``evaluate_pair`` would beside a draft
+    (same seeds, batches and turns; ``options``: its sampling and cache kind), for several drafts to share."""
+    generator = torch.Generator(device=target.device)
+    pair = _Pair(target, None, tokenizer, options, max_new_tokens, frozenset(eos_ids), generator)
+    generator.manual_seed(seed)
+    pair.run_target([pair.encode(prompts[0], prompts[0].turns[0])] * batch_size)  # warm-up
+    runs, _ = _run_repeats(
+        pair,
+        prompts,
+        seed=seed,
+        repeats=repeats,
+        batch_size=batch_size,
+        hf=None,
+        greedy_matches=None,
+        progress=progress,
+        baseline=None,
+    )
+    return Baseline(baseline_settings(prompts, max_new_tokens, options, seed, batch_size), [r["target"] for r in runs])
 
 
 def sum_stats(stats: list[DecodeStats]) -> DecodeStats:
@@ -153,7 +212,7 @@ class _Pair:
     """The pair under measurement and the settings both decoders share."""
 
     target: PreTrainedModel
-    draft: torch.nn.Module
+    draft: torch.nn.Module | None  # None: the target-only baseline alone (``measure_baseline``)
     tokenizer: PreTrainedTokenizerBase
     options: DecodeOptions
     max_new_tokens: int
@@ -254,21 +313,19 @@ def evaluate_pair(
     compare_hf: HFComparison | None = None,
     progress: bool = True,
     tune_verify: bool = True,
+    baseline: Baseline | None = None,
 ) -> dict:
     """Run the baseline and the speculative decoder side by side; return the report as a dict.
 
+    baseline: target-only runs timed once for several drafts (``measure_baseline``), used instead of
+    timing the target here when they match this call's settings (``baseline_shared`` in the report).
     options: how the speculative decoder decodes (its sampling is the baseline's too). compare_hf:
     stock copies of the pair to time ``transformers`` on too; the assistant's generation config is set
     to draft ``options.gamma`` tokens per round (``configure_assistant``), and the rounds are checked. tune_verify:
     at batch size 1 and without widths in ``options``, pad verification passes to the widths
     ``verify.tune_verify_widths`` finds faster on this machine.
     """
-    if batch_size < 1:
-        raise DraftsmithError(f"batch size must be >= 1, got {batch_size}")
-    if repeats < 1:
-        raise DraftsmithError(f"repeats must be >= 1, got {repeats}")
-    if compare_hf is not None and batch_size != 1:
-        raise DraftsmithError("--compare-hf needs --batch-size 1: transformers' assisted generation takes one sequence")
+    _check_evaluation(repeats, batch_size, compare_hf)
     if tune_verify and batch_size == 1 and not options.verify_widths and options.tree is None:
         options = dataclasses.replace(options, verify_widths=tune_verify_widths(target, options.gamma + 1))
     generator = torch.Generator(device=target.device)
@@ -280,19 +337,23 @@ def evaluate_pair(
     pair.run_target(warm)
     pair.run_spec(warm)
 
-    per_cat: dict[str, dict[str, Tally]] = defaultdict(lambda: {"target": Tally(), "spec": Tally()})
     hf = compare_hf
     if hf is not None:
         configure_assistant(hf.assistant.generation_config, options.gamma)
         pair.time_hf(warm[0], HFComparison(hf.target, hf.assistant))  # warm-up, not counted
     greedy_matches: list[bool] = []
-    n_turns = max(len(p.turns) for p in prompts)
-    total = repeats * n_turns * len(_batches(prompts, batch_size))
-    with tqdm(total=total, desc="eval", disable=not progress, unit="batch") as bar:
-        repeat_tallies = [
-            _run_repeat(pair, prompts, seed + rep, batch_size, per_cat, hf, greedy_matches if rep == 0 else None, bar)
-            for rep in range(repeats)
-        ]
+    shared = _usable(baseline, baseline_settings(prompts, max_new_tokens, options, seed, batch_size), repeats)
+    repeat_tallies, per_cat = _run_repeats(
+        pair,
+        prompts,
+        seed=seed,
+        repeats=repeats,
+        batch_size=batch_size,
+        hf=hf,
+        greedy_matches=greedy_matches,
+        progress=progress,
+        baseline=shared,
+    )
     report = report_from_repeats(
         repeat_tallies, per_cat, hf, greedy_matches, options.gamma, tree=options.tree is not None
     )
@@ -307,8 +368,60 @@ def evaluate_pair(
         top_k=options.sampling.top_k,
         top_p=options.sampling.top_p,
         verify_widths={str(q): w for q, w in options.verify_widths.items()},
+        baseline_shared=shared is not None,
     )
     return report
+
+
+def _run_repeats(
+    pair: _Pair,
+    prompts: list[Prompt],
+    *,
+    seed: int,
+    repeats: int,
+    batch_size: int,
+    hf: HFComparison | None,
+    greedy_matches: list[bool] | None,
+    progress: bool,
+    baseline: Baseline | None,
+) -> tuple[list[dict[str, Tally]], dict[str, dict[str, Tally]]]:
+    """Every repeat (``_run_repeat``) under one progress bar: each repeat's tallies, and the tallies per
+    category over all of them. The first repeat records greedy identity."""
+    per_cat: dict[str, dict[str, Tally]] = defaultdict(lambda: {"target": Tally(), "spec": Tally()})
+    total = repeats * max(len(p.turns) for p in prompts) * len(_batches(prompts, batch_size))
+    desc = "eval" if pair.draft is not None else "target-only baseline"
+    with tqdm(total=total, desc=desc, disable=not progress, unit="batch") as bar:
+        tallies = [
+            _run_repeat(
+                pair,
+                prompts,
+                seed + rep,
+                batch_size,
+                per_cat,
+                hf,
+                greedy_matches if rep == 0 else None,
+                bar,
+                baseline=baseline.repeats[rep] if baseline is not None else None,
+            )
+            for rep in range(repeats)
+        ]
+    return tallies, per_cat
+
+
+def _check_evaluation(repeats: int, batch_size: int, compare_hf: HFComparison | None) -> None:
+    if batch_size < 1:
+        raise DraftsmithError(f"batch size must be >= 1, got {batch_size}")
+    if repeats < 1:
+        raise DraftsmithError(f"repeats must be >= 1, got {repeats}")
+    if compare_hf is not None and batch_size != 1:
+        raise DraftsmithError("--compare-hf needs --batch-size 1: transformers' assisted generation takes one sequence")
+
+
+def _usable(baseline: Baseline | None, settings: dict, repeats: int) -> Baseline | None:
+    """``baseline`` when its runs are the ones this evaluation would time, else None (time them here)."""
+    if baseline is None or baseline.settings != settings or len(baseline.repeats) != repeats:
+        return None
+    return baseline
 
 
 def _run_repeat(
@@ -320,10 +433,13 @@ def _run_repeat(
     hf: HFComparison | None,
     greedy_matches: list[bool] | None,
     bar: tqdm,
+    baseline: Tally | None = None,
 ) -> dict[str, Tally]:
     """One pass over every turn of every prompt, both decoders batch by batch; later turns see the
     target's earlier answers. Returns this repeat's tallies; also adds to ``per_cat`` and ``hf``,
-    and appends to ``greedy_matches`` (when given, in greedy runs) whether each output is the target's."""
+    and appends to ``greedy_matches`` (when given, in greedy runs) whether each output is the target's.
+    baseline: this repeat's target-only runs timed before, taken in order instead of running the target."""
+    replay = iter(zip(baseline.outputs, baseline.stats, strict=True)) if baseline is not None else None
     tally = {"target": Tally(), "spec": Tally()}
     answers: dict[int, list[dict]] = {i: [] for i in range(len(prompts))}  # conversation so far
     for turn in range(max(len(p.turns) for p in prompts)):
@@ -333,15 +449,17 @@ def _run_repeat(
             ids = [pair.encode(prompts[i], answers[i] + prompts[i].turns[turn]) for i in indices]
             # Same seed for both decoders: with sampling, the pair sees the same draws.
             pair.generator.manual_seed(seed)
-            base_out, base_stats = pair.run_target(ids)
+            base_out, base_stats = next(replay) if replay is not None else pair.run_target(ids)
             pair.generator.manual_seed(seed)
-            spec_out, spec_stats = pair.run_spec(ids)
+            spec_out, spec_stats = pair.run_spec(ids) if pair.draft is not None else (None, None)
             category = prompts[indices[0]].category
+            tally["target"].outputs.append(base_out)
             for name, stats in (("target", base_stats), ("spec", spec_stats)):
-                tally[name].add(stats)
-                per_cat[category][name].add(stats)
+                if stats is not None:
+                    tally[name].add(stats)
+                    per_cat[category][name].add(stats)
             for row, i in enumerate(indices):
-                if greedy_matches is not None and pair.options.sampling.greedy:
+                if greedy_matches is not None and spec_out is not None and pair.options.sampling.greedy:
                     greedy_matches.append(spec_out[row] == base_out[row])
                 reply = pair.tokenizer.decode(base_out[row], skip_special_tokens=True)
                 answers[i] = answers[i] + prompts[i].turns[turn] + [{"role": "assistant", "content": reply}]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.specdec.evaluate import alpha_from_tau, evaluate_pair, predicted_speedup
+from draftsmith.specdec.evaluate import Baseline, alpha_from_tau, evaluate_pair, predicted_speedup
 from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt
@@ -57,9 +57,17 @@ def measure_draft(
     seed: int = 0,
     progress: bool = True,
     trees: tuple[TreeShape, ...] = (),
+    baseline: Baseline | None = None,
+    cost_ratio: float | None = None,
 ) -> dict:
     """The best gamma for one draft at one temperature, and alpha, tau, c, v and the speedup measured there;
-    with ``trees``, each shape's figures (``trees``) and the shape chosen over the chain, if any (``best_tree``)."""
+    with ``trees``, each shape's figures (``trees``) and the shape chosen over the chain, if any (``best_tree``).
+
+    baseline: the target-only runs at this temperature, timed once for several drafts
+    (``evaluate.measure_baseline``). cost_ratio: c of this draft's architecture and dtype measured
+    before, on another draft of it (a draft's weights do not change its step time, so the drafts of a
+    run share one c); None takes c from the run at the base gamma. ``measured_cost_ratio``: c as this
+    draft's own run at the base gamma measured it."""
     base = 4 if 4 in gammas else sorted(gammas)[len(gammas) // 2]
     sampling = SamplingParams(temperature)
 
@@ -75,20 +83,28 @@ def measure_draft(
             seed=seed,
             repeats=repeats,
             progress=progress,
+            baseline=baseline,
         )
 
     first = run(DecodeOptions(gamma=base, sampling=sampling))
     # The prediction needs the per-position acceptance, which accepted / proposed understates for
     # gamma > 1 (tokens after a rejection count as proposed); tau at the base gamma gives it.
     alpha = alpha_from_tau(first["mean_accepted_tokens"] or 1.0, base)
-    c, v = first["cost_ratio_c"], first["verify_ratio_v"]
+    c = first["cost_ratio_c"] if cost_ratio is None else cost_ratio
+    v = first["verify_ratio_v"]
     predicted = {g: predicted_speedup(alpha, g, c, 1 + (v - 1) * g / base) for g in gammas}
     best_gamma = max(predicted, key=predicted.get)
     confirmed = first if best_gamma == base else run(DecodeOptions(gamma=best_gamma, sampling=sampling))
+    measured_alpha = confirmed["acceptance_rate"]
     result = {
         "temperature": temperature,
         "best_gamma": best_gamma,
         **{k: confirmed[k] for k in FIGURES},  # measured at the best gamma
+        "cost_ratio_c": c,
+        "predicted_speedup": None
+        if measured_alpha is None
+        else predicted_speedup(measured_alpha, best_gamma, c, confirmed["verify_ratio_v"]),
+        "measured_cost_ratio": {k: first[k] for k in ("cost_ratio_c", "cost_ratio_c_spread")},
         "alpha_per_position": alpha,  # estimated from tau at the base gamma
         "base_gamma": base,
         "at_base_gamma": {k: first[k] for k in FIGURES},
@@ -188,6 +204,7 @@ def _markdown(report: dict) -> str:
         lines[5] += "---|"
     if report.get("best_note"):
         lines[4:4] = [f"Best draft: {report['best']}. {report['best_note']}.", ""]
+    lines[4:4] = _shared_lines(report)
     for name, by_temp in sorted(report["results"].items(), key=lambda kv: kv[1][next(iter(kv[1]))]["step"]):
         for temp, r in by_temp.items():
             match = "-" if r["greedy_match"] is None else f"{r['greedy_match']:.0%}"
@@ -199,6 +216,37 @@ def _markdown(report: dict) -> str:
                 + (f" {_tree_cell(r)} |" if trees else "")
             )
     return "\n".join(lines) + "\n"
+
+
+def _shared_lines(report: dict) -> list[str]:
+    """What the drafts were measured against: the target-only baseline per temperature and c per draft
+    architecture, each measured once and shared, with their min-max over repeats."""
+    baselines = [
+        f"T={temp}: {_median_range(b['target_tokens_per_s'], '.1f')} tokens/s"
+        for temp, b in sorted(report["baselines"].items())
+    ]
+    costs = [
+        f"{key}: {_median_range(c['cost_ratio_c_spread'], '.3f')} (on {c['measured_on']})"
+        for key, c in sorted(report["draft_cost_ratios"].items())
+    ]
+    if not baselines and not costs:
+        return []
+    return [
+        "Measured once and shared by the drafts (min-max over repeats in brackets): the target-only baseline, "
+        f"{'; '.join(baselines) or '-'}; c per draft architecture, {'; '.join(costs) or '-'}. A later draft is "
+        "marked best only when its lowest repeat beats the earlier choice's highest"
+        + (" (one repeat measures no spread: --repeats 3 gives one)." if report["repeats"] == 1 else "."),
+        "",
+    ]
+
+
+def _median_range(figure: dict | None, spec: str) -> str:
+    """``median (min-max)`` of a figure over repeats; the median alone when they agree (one repeat)."""
+    if figure is None:
+        return "-"
+    if figure["min"] == figure["max"]:
+        return f"{figure['median']:{spec}}"
+    return f"{figure['median']:{spec}} ({figure['min']:{spec}}-{figure['max']:{spec}})"
 
 
 def _tree_cell(result: dict) -> str:
@@ -232,10 +280,15 @@ def _plot(run_dir: Path, report: dict) -> None:
             continue
         steps = [s for s, _ in rows]
         ax_a.plot(steps, [r["acceptance_rate"] for _, r in rows], marker="o", label=f"T={temp}")
-        ax_s.plot(steps, [r["speedup"] for _, r in rows], marker="o", label=f"T={temp}")
+        chosen = [chosen_figures(r) for _, r in rows]
+        speedups = [f["speedup"] for f in chosen]
+        spreads = [f.get("speedup_spread") or {"min": x, "max": x} for f, x in zip(chosen, speedups, strict=True)]
+        low = [x - s["min"] for x, s in zip(speedups, spreads, strict=True)]
+        high = [s["max"] - x for x, s in zip(speedups, spreads, strict=True)]
+        ax_s.errorbar(steps, speedups, yerr=[low, high], marker="o", capsize=3, label=f"T={temp}")
     ax_a.set(xlabel="step", ylabel="acceptance rate alpha", title="acceptance")
     ax_s.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax_s.set(xlabel="step", ylabel="measured speedup", title="speedup (best gamma)")
+    ax_s.set(xlabel="step", ylabel="measured speedup", title="speedup (best gamma or tree; bars: min-max)")
     for ax in (ax_a, ax_s):
         ax.legend()
         ax.grid(alpha=0.3)

@@ -10,8 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from draftsmith.cli import main
 from draftsmith.specdec.decoder import target_generate
+from draftsmith.specdec.evaluate import measure_baseline
+from draftsmith.train import eval_run, speedup
 from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.loop import train
+from draftsmith.train.speedup import choose_best, measure_draft
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -51,6 +54,44 @@ def test_eval_run_measures_every_checkpoint_once(run_dir, capsys):
     assert f"| {best['checkpoint']} **best** |" in table
     assert main(["eval-run", str(run_dir), *EVAL, "--temperatures", "0,1"]) == 0
     assert "measuring " not in capsys.readouterr().out  # nothing measured twice
+
+
+def test_eval_run_times_the_baseline_once_and_c_once_per_architecture(run_dir, monkeypatch):
+    baselines, given_c = [], []
+
+    def counted_baseline(*args, **kwargs):
+        baselines.append(kwargs["options"].sampling.temperature)
+        return measure_baseline(*args, **kwargs)
+
+    def recorded_measure(*args, **kwargs):
+        given_c.append(kwargs["cost_ratio"])
+        return measure_draft(*args, **kwargs)
+
+    monkeypatch.setattr(eval_run, "measure_baseline", counted_baseline)
+    monkeypatch.setattr(speedup, "measure_draft", recorded_measure)
+    assert main(["eval-run", str(run_dir), *EVAL, "--temperatures", "0,1", "--repeats", "2", "--force"]) == 0
+    assert baselines == [0.0, 1.0]  # one target-only baseline per temperature for the three drafts
+    report = json.loads((run_dir / "speedup_report.json").read_text())
+    [(key, shared)] = report["draft_cost_ratios"].items()  # the run's drafts share one architecture
+    assert key.endswith("float32, full head") and shared["measured_on"] == "initial"
+    c = shared["cost_ratio_c"]
+    assert given_c == [None] + [c] * 5  # measured on the first draft, then given to the other five
+    assert report["results"]["initial"]["0.0"]["measured_cost_ratio"]["cost_ratio_c"] == c
+    for temp in ("0.0", "1.0"):
+        baseline = report["baselines"][temp]["target_tokens_per_s"]
+        assert baseline["min"] <= baseline["median"] <= baseline["max"]
+        for by_temp in report["results"].values():
+            r = by_temp[temp]
+            assert (r["cost_ratio_c"], r["cost_ratio_c_measured_on"]) == (c, "initial")
+            assert r["target_tokens_per_s"] == baseline["median"]
+            assert r["speedup_spread"]["min"] <= r["speedup"] <= r["speedup_spread"]["max"]
+    greedy = {name: r["0.0"] for name, r in report["results"].items()}
+    assert (report["best"], report["best_note"]) == choose_best(greedy)
+    table = (run_dir / "speedup_report.md").read_text()
+    assert "Measured once and shared by the drafts" in table and "(on initial)" in table
+    for name, r in greedy.items():
+        low, high = r["speedup_spread"]["min"], r["speedup_spread"]["max"]
+        assert low == high or f"{r['speedup']:.2f} ({low:.2f}-{high:.2f})" in table, name
 
 
 def test_eval_run_bad_input(tmp_path, run_dir, capsys):

@@ -1,10 +1,23 @@
 """The speedup model and the report: per-position acceptance recovered from tokens per round, cost
-ratios from the decoders' timings, medians over repeats."""
+ratios from the decoders' timings, medians over repeats, a target-only baseline shared by drafts."""
+
+import statistics
 
 import pytest
 
-from draftsmith.specdec.decoder import DecodeStats
-from draftsmith.specdec.evaluate import Tally, alpha_from_tau, predicted_speedup, report_from_repeats, step_costs
+from draftsmith.specdec.decoder import DecodeStats, target_generate
+from draftsmith.specdec.evaluate import (
+    Tally,
+    alpha_from_tau,
+    evaluate_pair,
+    measure_baseline,
+    predicted_speedup,
+    report_from_repeats,
+    step_costs,
+)
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.prompts import Prompt, encode_chat
+from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 4, 8])
@@ -63,3 +76,31 @@ def test_step_costs_leave_out_each_calls_draft_prefill():
     baseline = DecodeStats(rounds=10, verify_time=0.5)  # 50 ms per target step
     spec = DecodeStats(draft_forwards=3 + 12, draft_time=0.12, rounds=4, verify_time=0.4)  # three calls
     assert step_costs(baseline, spec, calls=3) == pytest.approx((0.2, 2.0))
+
+
+def test_drafts_measured_against_one_baseline_share_its_target_runs():
+    target, tokenizer = tiny_llama(vocab=32, sharpness=8.0), tiny_tokenizer(32)
+    prompts = [
+        Prompt(str(i), category, [[{"role": "user", "content": f"w{3 + i} w{10 + i}"}]])
+        for i, category in enumerate(["writing", "writing", "math"])
+    ]
+    common = {"max_new_tokens": 12, "seed": 0, "repeats": 2, "progress": False}
+    baseline = measure_baseline(target, tokenizer, prompts, **common)
+    assert [len(t.stats) for t in baseline.repeats] == [3, 3]  # one call per prompt, per repeat
+    assert (
+        baseline.repeats[0].outputs[0] == target_generate(target, [encode_chat(tokenizer, prompts[0].turns[0])], 12)[0]
+    )
+    target_rate = statistics.median(t.tokens_per_s for t in baseline.repeats)
+    for noise in (0.2, 0.6):
+        draft = noisy_copy(target, noise)
+        report = evaluate_pair(
+            target, draft, tokenizer, prompts, options=DecodeOptions(gamma=2), baseline=baseline, **common
+        )
+        assert report["baseline_shared"] is True
+        assert report["target_tokens_per_s"] == target_rate  # the baseline's timing, not a new one
+        assert report["greedy_match"] == 1.0  # against the baseline's recorded outputs
+    # Runs under other settings are not the ones this call would time: it times the target itself.
+    other = evaluate_pair(
+        target, draft, tokenizer, prompts, options=DecodeOptions(gamma=2), baseline=baseline, **common | {"seed": 1}
+    )
+    assert other["baseline_shared"] is False and other["target_tokens_per_s"] != target_rate
