@@ -106,3 +106,30 @@ def load_draft(spec: str, target: PreTrainedModel, device: torch.device, dtype: 
     if is_early_exit(Path(spec)):
         return EarlyExitDraft.load(Path(spec), target)
     return load_model(spec, device, dtype)
+
+
+def engine_draft_folder(spec: str, target_spec: str, draft: torch.nn.Module, tokenizer, scratch: Path) -> str:
+    """The model folder (or spec) a serving engine loads the draft ``spec`` from.
+
+    ``self``: the target's own spec; ``truncate:LAYERS``: ``draft`` (those layers of the target)
+    saved with the tokenizer into ``scratch``; a model folder as it is. Early-exit drafts share the
+    target's layers, and a bare LoRA adapter needs its base: neither is a standalone model.
+    """
+    from draftsmith.distill.early_exit import is_early_exit
+
+    if spec == "self":
+        return target_spec
+    if spec.startswith("truncate:"):
+        draft.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        return str(scratch)
+    if spec.startswith("early_exit:") or is_early_exit(Path(spec)):
+        raise DraftsmithError(
+            f"{spec} is an early-exit draft, which shares the target's layers; a serving engine runs standalone "
+            "drafts (a model folder, truncate:N or self)"
+        )
+    if (Path(spec) / "adapter_config.json").is_file() and not (Path(spec) / "config.json").is_file():
+        raise DraftsmithError(
+            f"{spec} holds only a LoRA adapter; pass the checkpoint folder above it, which holds the merged draft"
+        )
+    return spec

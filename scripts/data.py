@@ -180,7 +180,8 @@ def generation_engine(
         server = connect(args.engine_url)
         yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
         return
-    options = {"threads": args.engine_threads, "eager": args.engine_eager, "prefix_caching": True}
+    options = {"threads": args.engine_threads, "eager": args.engine_eager, "kv_cache_gib": args.engine_kv_cache_gib}
+    options["prefix_caching"] = True
     options["max_logprobs"] = args.teacher_cache  # None: vLLM's default
     with serve(
         args.target, dtype=str(dtype).removeprefix("torch."), device=str(device), seed=args.seed, **options

@@ -10,6 +10,7 @@ import torch
 
 from draftsmith.distill.draft_init import load_draft
 from draftsmith.distill.early_exit import EarlyExitDraft
+from draftsmith.engine_eval import check_engine_eval_options, engine_eval_options, engine_report, show_engine_report
 from draftsmith.options import GAMMA, device_options, draft_vocab_option, progress_option, prompt_options
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import CACHE_KINDS
@@ -49,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[prompt_options(), device_options(), draft_vocab_option(default=None), progress_option()],
+        parents=[
+            prompt_options(),
+            device_options(),
+            draft_vocab_option(default=None),
+            progress_option(),
+            engine_eval_options(),
+        ],
     )
     p.add_argument(
         "--target",
@@ -161,6 +168,13 @@ def _published_settings(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    not_in_engine = {
+        "--compare-hf": args.compare_hf,
+        "--all-turns": args.all_turns,
+        "--batch-size": args.batch_size != 1,
+    }
+    not_in_engine.update({"--confidence-threshold": args.confidence_threshold, "--draft-vocab": args.draft_vocab})
+    engine_batch_sizes = check_engine_eval_options(args, not_in_engine)
     _published_settings(args)
     options = DecodeOptions(
         gamma=args.gamma,
@@ -202,6 +216,24 @@ def main(argv: list[str] | None = None) -> int:
     if early_exit and args.compare_hf:
         raise DraftsmithError("--compare-hf needs a standalone draft; an early-exit draft shares the target's layers")
     kv_reuse = early_exit and not args.no_kv_reuse
+    if engine_batch_sizes:  # --engine vllm: the pair in vLLM beside the bundled decoder
+        eos = eos_token_ids(target, tokenizer)
+        report = engine_report(
+            args,
+            target,
+            draft,
+            tokenizer,
+            prompts,
+            target_spec=args.target,
+            draft_spec=args.draft,
+            options=options,
+            eos_ids=eos,
+            dtype=dtype,
+            batch_sizes=engine_batch_sizes,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+        return show_engine_report(report, args.json_out)
     # transformers is timed on models as transformers loads them, apart from the ones our decoder runs.
     compare_hf = _stock_pair(args, device, dtype) if args.compare_hf else None
     if args.draft_vocab:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from draftsmith.engine_eval import ENGINE_REPORT, check_engine_eval_options, engine_eval_options, engine_run_report
 from draftsmith.options import (
     device_options,
     draft_vocab_option,
@@ -18,6 +19,7 @@ from draftsmith.train.eval_run import evaluate_run
 
 EPILOG = """Writes RUN_DIR/speedup_report.json, speedup_report.md, speedup.png and best.json.
 Drafts already measured (same prompts, gammas, tokens) are not measured again unless --force.
+With --engine vllm the best draft is then measured in vLLM too (RUN_DIR/engine_report.md).
 
 example:
   draftsmith eval-run runs/smollm2-135m --gammas 1,2,3,4,6,8 --temperatures 0,1
@@ -30,7 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[prompt_options(), gammas_option(), device_options(), draft_vocab_option(None), progress_option()],
+        parents=[
+            prompt_options(),
+            gammas_option(),
+            device_options(),
+            draft_vocab_option(None),
+            progress_option(),
+            engine_eval_options(),
+        ],
     )
     p.add_argument("run_dir", help="a distillation run folder (holds config.yaml and checkpoint-*/)")
     p.add_argument("--temperatures", default="0", help="temperatures, e.g. 0,1 (default: 0)")
@@ -51,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    engine_batch_sizes = check_engine_eval_options(args, {})
     run_dir = Path(args.run_dir)
     report = evaluate_run(
         run_dir,
@@ -69,4 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print((run_dir / "speedup_report.md").read_text())
     print(f"best draft: {report['best']} (written to {run_dir / 'best.json'})")
+    if engine_batch_sizes:  # --engine vllm: the best draft in vLLM beside the bundled decoder
+        engine_run_report(run_dir, report, args, engine_batch_sizes)
+        print((run_dir / ENGINE_REPORT).read_text())
     return 0

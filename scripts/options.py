@@ -12,6 +12,7 @@ EVAL_PROMPTS = str(importlib.resources.files("draftsmith.distill") / "data" / "e
 GAMMA = 4  # draft tokens per round when one gamma is measured
 GAMMAS = "1,2,3,4,6,8"  # the gammas eval-run and quickstart choose the best from
 MAX_NEW_TOKENS = 64
+ENGINE_KV_CACHE_GIB = 2  # a vLLM CPU server's KV cache: ~45 k tokens of the default target
 
 
 def prompt_options(limit: int | None = None) -> argparse.ArgumentParser:
@@ -112,6 +113,13 @@ def engine_options(what: str) -> argparse.ArgumentParser:
         action="store_true",
         help="--engine vllm: start the server without torch.compile (starts in seconds, decodes somewhat slower)",
     )
+    p.add_argument(
+        "--engine-kv-cache-gib",
+        type=int,
+        default=ENGINE_KV_CACHE_GIB,
+        help="--engine vllm on a CPU: the KV cache of each server started, in GiB, taken from memory at start "
+        f"(default: {ENGINE_KV_CACHE_GIB})",
+    )
     return p
 
 
@@ -125,3 +133,5 @@ def check_engine_options(args: argparse.Namespace) -> None:
             raise DraftsmithError("--engine-eager applies to --engine vllm")
     elif args.engine_url is not None and (args.engine_threads is not None or args.engine_eager):
         raise DraftsmithError("--engine-threads and --engine-eager start a server; --engine-url names a running one")
+    if args.engine_kv_cache_gib < 1:
+        raise DraftsmithError(f"--engine-kv-cache-gib must be >= 1, got {args.engine_kv_cache_gib}")

@@ -1,0 +1,174 @@
+"""``--engine vllm`` for ``draftsmith eval`` and ``eval-run``: the pair measured in vLLM beside the bundled decoder.
+
+Both commands parse their usual options plus these; ``engine_report`` runs the comparison
+(``specdec.engine_compare``) for one loaded (target, draft) pair and returns its report. ``eval``
+compares its pair; ``eval-run`` first measures the run as usual, then compares its best draft at
+the best gamma and adds the comparison to the run's speedup report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from draftsmith.distill.draft_init import engine_draft_folder, load_draft
+from draftsmith.options import check_engine_options, engine_options, parse_list
+from draftsmith.specdec.engine_compare import compare_with_engine, format_comparison
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.files import write_text
+from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dtype
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.prompts import Prompt, read_prompts
+from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.train import speedup
+from draftsmith.train.config import load_run_config
+from draftsmith.train.models import load_target
+
+ENGINE_BATCH_SIZES = "1,16"
+ENGINE_REPORT = "engine_report.md"  # eval-run --engine vllm: the comparison, in the run folder
+
+
+def engine_eval_options() -> argparse.ArgumentParser:
+    """--engine and its settings, and --engine-batch-sizes."""
+    p = argparse.ArgumentParser(add_help=False, parents=[engine_options("where the pair is also measured")])
+    p.add_argument(
+        "--engine-batch-sizes",
+        default=ENGINE_BATCH_SIZES,
+        help="--engine vllm: batch sizes measured in both engines; prompts repeat to fill a batch "
+        f"(default: {ENGINE_BATCH_SIZES})",
+    )
+    return p
+
+
+def check_engine_eval_options(args: argparse.Namespace, unsupported: dict[str, object]) -> list[int]:
+    """Refuse what the comparison cannot do; return the batch sizes (empty without --engine vllm).
+
+    unsupported: the command's options that have no counterpart in vLLM, by flag, with their values.
+    """
+    check_engine_options(args)
+    if args.engine != "vllm":
+        return []
+    if args.engine_url is not None:
+        raise DraftsmithError(
+            "--engine-url: the comparison starts its own two servers (the target alone and with the draft)"
+        )
+    for flag, value in unsupported.items():
+        if value:
+            raise DraftsmithError(f"{flag} does not apply with --engine vllm (see --help); leave it out")
+    sizes = parse_list(args.engine_batch_sizes, int, "engine-batch-sizes")
+    if any(size < 1 for size in sizes):
+        raise DraftsmithError(f"--engine-batch-sizes must be >= 1, got {args.engine_batch_sizes}")
+    return sizes
+
+
+def engine_report(
+    args: argparse.Namespace,
+    target,
+    draft: torch.nn.Module,
+    tokenizer,
+    prompts: list[Prompt],
+    *,
+    target_spec: str,
+    draft_spec: str,
+    options: DecodeOptions,
+    eos_ids: frozenset[int],
+    dtype: torch.dtype,
+    batch_sizes: list[int],
+    seed: int,
+    progress: bool,
+) -> dict:
+    """The (target, draft) pair in vLLM and in the bundled decoder (full draft head in both), as a report.
+
+    target_spec, draft_spec: the pair as the command names it (a model folder, alias, ``self``,
+    ``truncate:N``); vLLM loads the same models.
+    """
+    notes = []
+    if options.tree is not None:
+        notes.append(f"chains of {options.gamma} draft tokens, not the tree {options.tree}: vLLM drafts chains")
+        options = dataclasses.replace(options, tree=None)
+    if args.draft_vocab:
+        notes.append(
+            f"the draft's head is not cut to its {args.draft_vocab} most frequent tokens here: vLLM drafts with the "
+            "full head, so both engines do"
+        )
+    serve_options = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(target.device),
+        "threads": args.engine_threads,
+        "eager": args.engine_eager,
+        "kv_cache_gib": args.engine_kv_cache_gib,
+        "seed": seed,
+    }
+    with tempfile.TemporaryDirectory(prefix="draftsmith-engine-draft-") as scratch:
+        folder = engine_draft_folder(draft_spec, target_spec, draft, tokenizer, Path(scratch))
+        report = compare_with_engine(
+            target,
+            draft,
+            tokenizer,
+            prompts,
+            target_spec=target_spec,
+            draft_folder=folder,
+            options=options,
+            max_new_tokens=args.max_new_tokens,
+            eos_ids=eos_ids,
+            batch_sizes=batch_sizes,
+            repeats=args.repeats,
+            seed=seed,
+            serve_options=serve_options,
+            progress=progress,
+        )
+    report.update(target=target_spec, draft=draft_spec, dtype=serve_options["dtype"], notes=notes)
+    return report
+
+
+def show_engine_report(report: dict, json_out: str | None) -> int:
+    """Print the comparison table (and its note), write the JSON report when asked; the exit status."""
+    print(format_comparison(report))
+    for note in report["notes"]:
+        print(f"note: {note}")
+    if json_out:
+        write_text(Path(json_out), json.dumps(report, indent=2))
+        print(f"report written to {json_out}")
+    return 0
+
+
+def engine_run_report(run_dir: Path, report: dict, args: argparse.Namespace, batch_sizes: list[int]) -> dict:
+    """The run's best draft, at its best gamma and the first temperature, in vLLM beside the bundled
+    decoder: added to the speedup report as ``engine`` (JSON and Markdown); the report returned."""
+    best = report.get("best")
+    if best is None:
+        raise DraftsmithError(f"{run_dir} has no best draft to measure in vLLM; nothing was measured")
+    temperature = report["temperatures"][0]
+    measured = report["results"][best][str(temperature)]
+    cfg = load_run_config(run_dir)
+    if cfg.target == "tiny":
+        raise DraftsmithError("--engine vllm serves the run's target from its folder; a tiny target has none")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    target, tokenizer = load_target(cfg, device, dtype)
+    folder = str(run_dir / best)
+    comparison = engine_report(
+        args,
+        target,
+        load_draft(folder, target, device, dtype),
+        tokenizer,
+        read_prompts(args.prompts)[: args.limit],
+        target_spec=cfg.target,
+        draft_spec=folder,
+        options=DecodeOptions(gamma=measured["best_gamma"], sampling=SamplingParams(temperature)),
+        eos_ids=eos_token_ids(target, tokenizer),
+        dtype=dtype,
+        batch_sizes=batch_sizes,
+        seed=cfg.seed,
+        progress=not args.no_progress,
+    )
+    report["engine"] = {"checkpoint": best, **comparison}
+    speedup.write_report(run_dir, report)  # speedup_report.json carries it
+    lines = [f"# {best} in vLLM, beside the bundled decoder", "", "```", format_comparison(report["engine"])]
+    write_text(run_dir / ENGINE_REPORT, "\n".join([*lines, *(f"note: {n}" for n in comparison["notes"]), "```", ""]))
+    return report
