@@ -116,6 +116,21 @@ def select_batch(cache: Cache, indices: torch.Tensor) -> None:
             layer.batch_select_indices(indices)
 
 
+def slot_mask(slot_pos: torch.Tensor, q_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive 4-D attention mask (B, 1, Q, S) of a forward whose inputs sit in cache slots
+    ``q_slots`` (Q,), from the logical position of each slot ``slot_pos`` (B, S) (-1: padding or hole).
+
+    A query attends to the live slots at or before its own slot, and to itself even when it is
+    padding (so no row is fully masked and no NaN can leak into the cache). Only tensor operations,
+    so a compiled decoding step builds its mask inside the graph.
+    """
+    kv_idx = torch.arange(slot_pos.shape[1], device=slot_pos.device)
+    causal = kv_idx[None, :] <= q_slots[:, None]  # (Q, S)
+    allowed = ((slot_pos >= 0)[:, None, :] & causal[None]) | (kv_idx[None, :] == q_slots[:, None])[None]  # (B, Q, S)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=slot_pos.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 def default_cache_kind(device: torch.device) -> str:
     return "static" if device.type == "cuda" else "slot"
 
@@ -163,16 +178,10 @@ class SlotTracker:
         """
         if not self.holes:
             return None
-        batch = self.slot_pos.shape[0]
-        live = self.slot_pos[:, :kv_length] >= 0  # (B, KV)
-        if live.shape[1] < kv_length:
-            live = torch.nn.functional.pad(live, (0, kv_length - live.shape[1]), value=False)
-        kv_idx = torch.arange(kv_length, device=live.device)
-        q_slots = torch.arange(self.length - q, self.length, device=live.device)  # (Q,)
-        causal = kv_idx[None, :] <= q_slots[:, None]  # (Q, KV)
-        allowed = (live[:, None, :] & causal[None]) | (kv_idx[None, :] == q_slots[:, None])[None]
-        mask = torch.zeros(batch, 1, q, kv_length, dtype=dtype, device=live.device)
-        return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+        slot_pos = self.slot_pos[:, :kv_length]
+        if slot_pos.shape[1] < kv_length:
+            slot_pos = torch.nn.functional.pad(slot_pos, (0, kv_length - slot_pos.shape[1]), value=-1)
+        return slot_mask(slot_pos, torch.arange(self.length - q, self.length, device=slot_pos.device), dtype)
 
     def reserve_at(self, positions: torch.Tensor) -> None:
         """Claim the next ``Q`` slots for inputs at explicit logical ``positions`` (B, Q), e.g. a

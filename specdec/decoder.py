@@ -31,6 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.specdec.cache import default_cache_kind
+from draftsmith.specdec.compiled import make_stream, resolve_compile
 from draftsmith.specdec.drafters import Drafter, LMDrafter, Proposal
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
@@ -155,8 +156,12 @@ def target_generate(
     eos_ids: set[int] | frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
     cache_kind: str | None = None,
+    compile: bool | None = None,
 ) -> tuple[list[list[int]], DecodeStats]:
-    """Plain KV-cached autoregressive decoding: the baseline every speedup is measured against."""
+    """Plain KV-cached autoregressive decoding: the baseline every speedup is measured against.
+
+    compile: single-token steps as compiled graphs (``compiled``), as ``DecodeOptions.compile``.
+    """
     _check_prompts(prompts, max_new_tokens)
     device, batch = target.device, len(prompts)
     clock = Clock(device)
@@ -164,7 +169,8 @@ def target_generate(
     out = Outputs(prompts, max_new_tokens, eos_ids)
     tokens, valid = left_pad(prompts, device)
     capacity = tokens.shape[1] + max_new_tokens + 1
-    stream = ModelStream(target, batch, capacity, cache_kind or default_cache_kind(device), row_exact=True)
+    kind = cache_kind or default_cache_kind(device)
+    stream = make_stream(target, batch, capacity, kind, role="target", compiled=resolve_compile(compile, target))
     with decoding_threads(target):
         logits = stream.forward(tokens, valid, logits_to_keep=1)[:, -1]
         stats.target_forwards += 1
@@ -203,7 +209,8 @@ def speculative_generate(
     draft: a causal LM over the target's vocabulary, or a ``self_spec.EarlyExit`` draft, which
     shares the target's cache when ``options.kv_reuse``. The target is switched to row-exact
     attention (``specdec.attention``), so a verification forward gives the logits of single-token
-    steps, bit for bit, in any dtype.
+    steps, bit for bit, in any dtype. With ``options.compile`` (by default on CUDA) both models'
+    decoding steps run compiled (``compiled``); the round loop is the same.
     """
     _check_prompts(prompts, max_new_tokens)
     device, batch = target.device, len(prompts)
@@ -253,6 +260,19 @@ def speculative_generate(
     return out.tokens, stats
 
 
+def decodes_compiled(target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> bool:
+    """Whether ``speculative_generate`` runs the pair's decoding steps compiled (``compiled``):
+    ``options.compile``, or by default on CUDA; never for token trees or an early-exit draft that
+    shares the target's cache (refused when asked for)."""
+    if options.kv_reuse and isinstance(draft, EarlyExit):
+        if options.compile:
+            raise DraftsmithError(
+                "an early-exit draft sharing the target's cache decodes eager; pass --no-compile or --no-kv-reuse"
+            )
+        return False
+    return options.tree is None and resolve_compile(options.compile, target)
+
+
 def _verifier_and_drafter(
     target: PreTrainedModel,
     draft: torch.nn.Module,
@@ -268,11 +288,12 @@ def _verifier_and_drafter(
     # A round adds at most `widest` slots; with batch > 1 a ragged round also leaves holes behind.
     extra = max_new_tokens + widest + 1 if batch == 1 else (max_new_tokens + 1) * widest + 1
     capacity = max(len(p) for p in prompts) + extra
+    compiled = decodes_compiled(target, draft, options)
     if options.kv_reuse and isinstance(draft, EarlyExit):
         return shared_layers_pair(target, draft, batch, capacity, options)
     cache_kind = options.cache_kind or default_cache_kind(target.device)
-    verifier = TargetVerifier(target, batch, capacity, cache_kind, options.verify_widths)
-    return verifier, LMDrafter(draft, batch, capacity, cache_kind)
+    verifier = TargetVerifier(target, batch, capacity, cache_kind, options.verify_widths, compiled=compiled)
+    return verifier, LMDrafter(draft, batch, capacity, cache_kind, compiled=compiled)
 
 
 def _tree_pair(

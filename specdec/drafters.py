@@ -22,9 +22,9 @@ from typing import Protocol
 
 import torch
 
+from draftsmith.specdec.compiled import make_stream
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import process_logits, sample
-from draftsmith.specdec.stream import ModelStream
 
 
 @dataclass
@@ -90,15 +90,16 @@ def stack_proposal(drafted: list[torch.Tensor], probs: list[torch.Tensor], count
 
 
 class LMDrafter:
-    """A standalone causal LM as drafter, on its own cache (a ``ModelStream``).
+    """A standalone causal LM as drafter, on its own cache (a ``ModelStream``; ``compiled``: a
+    ``compiled.CompiledStream``).
 
     The draft's cache lags behind the committed tokens: by one (x_n) after a round with a
     rejection, by two after a fully accepted round (it never read d_gamma). Each round starts by
     feeding it what it has not read.
     """
 
-    def __init__(self, model: torch.nn.Module, batch_size: int, capacity: int, cache_kind: str):
-        self.stream = ModelStream(model, batch_size, capacity, cache_kind)
+    def __init__(self, model: torch.nn.Module, batch_size: int, capacity: int, cache_kind: str, compiled: bool = False):
+        self.stream = make_stream(model, batch_size, capacity, cache_kind, role="draft", compiled=compiled)
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         self.stream.forward(tokens, valid, logits_to_keep=1)

@@ -6,6 +6,10 @@ interleaved batch by batch and the median over repeats taken. The baseline is
 ``decoder.target_generate``, a KV-cached decoder at least as fast as ``transformers`` ``generate``
 (``benchmarks/decoder_vs_hf.py``), so the speedup is not inflated by a slow reference.
 
+In compiled mode (``DecodeOptions.compile``, by default on CUDA) both decoders run compiled, and
+the warm-up compiles and captures every graph before anything is timed: its seconds are reported
+as ``compile_s``, apart from every tokens/s.
+
 The cost ratios come from the same runs: c = one draft step / one target single-token step, v = one
 verification forward / one target single-token step (``step_costs``); ``measure_cost_ratio`` times
 c on its own, for a draft that is not being evaluated (during training). With a token tree
@@ -27,7 +31,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.specdec.decoder import DecodeStats, speculative_generate, target_generate
+from draftsmith.specdec.compiled import compiled_graphs, resolve_compile
+from draftsmith.specdec.decoder import DecodeStats, decodes_compiled, speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.hf_compare import AssistedRounds, Round, configure_assistant, hf_generate
 from draftsmith.specdec.options import DecodeOptions
@@ -123,6 +128,7 @@ def baseline_settings(
         "seed": seed,
         "batch_size": batch_size,
         "cache_kind": options.cache_kind,
+        "compile": options.compile,
     }
 
 
@@ -141,10 +147,11 @@ def measure_baseline(
 ) -> Baseline:
     """Time the target-only decoder over ``prompts`` once, as ``evaluate_pair`` would beside a draft
     (same seeds, batches and turns; ``options``: its sampling and cache kind), for several drafts to share."""
+    options = dataclasses.replace(options, compile=resolve_compile(options.compile, target))
     generator = torch.Generator(device=target.device)
     pair = _Pair(target, None, tokenizer, options, max_new_tokens, frozenset(eos_ids), generator)
-    generator.manual_seed(seed)
-    pair.run_target([pair.encode(prompts[0], prompts[0].turns[0])] * batch_size)  # warm-up
+    sizes = {len(batch) for batch in _batches(prompts, batch_size)} if options.compile else {batch_size}
+    _warm_up(pair, pair.encode(prompts[0], prompts[0].turns[0]), sizes, seed)
     runs, _ = _run_repeats(
         pair,
         prompts,
@@ -234,6 +241,7 @@ class _Pair:
                 eos_ids=self.eos_ids,
                 generator=self.generator,
                 cache_kind=self.options.cache_kind,
+                compile=self.options.compile,
             ),
             len(batch_ids),
         )
@@ -323,24 +331,30 @@ def evaluate_pair(
     stock copies of the pair to time ``transformers`` on too; the assistant's generation config is set
     to draft ``options.gamma`` tokens per round (``configure_assistant``), and the rounds are checked. tune_verify:
     at batch size 1 and without widths in ``options``, pad verification passes to the widths
-    ``verify.tune_verify_widths`` finds faster on this machine.
+    ``verify.tune_verify_widths`` finds faster on this machine. The report says whether the decoders
+    ran compiled (``compile``), and then the warm-up's seconds (``compile_s``) and the graphs it compiled.
     """
     _check_evaluation(repeats, batch_size, compare_hf)
+    compiled = decodes_compiled(target, draft, options)
+    options = dataclasses.replace(options, compile=compiled)  # the baseline decodes as the pair does
+    start, graphs = time.perf_counter(), compiled_graphs()
     if tune_verify and batch_size == 1 and not options.verify_widths and options.tree is None:
-        options = dataclasses.replace(options, verify_widths=tune_verify_widths(target, options.gamma + 1))
+        widths = tune_verify_widths(target, options.gamma + 1, compiled=compiled)
+        options = dataclasses.replace(options, verify_widths=widths)
     generator = torch.Generator(device=target.device)
     pair = _Pair(target, draft, tokenizer, options, max_new_tokens, frozenset(eos_ids), generator)
-
-    # Warm-up: the first calls pay for allocator growth and kernel selection.
-    warm = [pair.encode(prompts[0], prompts[0].turns[0])] * batch_size
-    generator.manual_seed(seed)
-    pair.run_target(warm)
-    pair.run_spec(warm)
+    warm = pair.encode(prompts[0], prompts[0].turns[0])
+    _warm_up(pair, warm, {len(batch) for batch in _batches(prompts, batch_size)} if compiled else {batch_size}, seed)
+    compiled_report = {
+        "compile": compiled,
+        "compile_s": time.perf_counter() - start if compiled else None,
+        "compiled_graphs": compiled_graphs() - graphs if compiled else None,
+    }
 
     hf = compare_hf
     if hf is not None:
         configure_assistant(hf.assistant.generation_config, options.gamma)
-        pair.time_hf(warm[0], HFComparison(hf.target, hf.assistant))  # warm-up, not counted
+        pair.time_hf(warm, HFComparison(hf.target, hf.assistant))  # warm-up, not counted
     greedy_matches: list[bool] = []
     shared = _usable(baseline, baseline_settings(prompts, max_new_tokens, options, seed, batch_size), repeats)
     repeat_tallies, per_cat = _run_repeats(
@@ -369,8 +383,20 @@ def evaluate_pair(
         top_p=options.sampling.top_p,
         verify_widths={str(q): w for q, w in options.verify_widths.items()},
         baseline_shared=shared is not None,
+        **compiled_report,
     )
     return report
+
+
+def _warm_up(pair: _Pair, ids: list[int], batch_sizes: set[int], seed: int) -> None:
+    """Both decoders (the target alone without a draft) on ``ids`` at each of ``batch_sizes``: the first
+    calls pay for allocator growth and kernel selection, and in compiled mode for compiling and
+    capturing the graphs of each batch size."""
+    for size in sorted(batch_sizes):
+        pair.generator.manual_seed(seed)
+        pair.run_target([ids] * size)
+        if pair.draft is not None:
+            pair.run_spec([ids] * size)
 
 
 def _run_repeats(
@@ -584,6 +610,11 @@ def format_table(report: dict) -> str:
         lines.append(f"speedup over {report['repeats']} repeats: min {low:.2f}, max {high:.2f}")
     if report["greedy_match"] is not None:
         lines.append(f"greedy output identical to the target's: {report['greedy_match']:.0%} of prompts")
+    if report["compile"]:
+        lines.append(
+            f"compiled decoding: {report['compile_s']:.1f} s of warm-up compiled {report['compiled_graphs']} graphs "
+            "(not part of any tokens/s)"
+        )
     if "hf_generate_tokens_per_s" in report:
         lines.append(
             f"transformers generate: {report['hf_generate_tokens_per_s']:.1f} t/s, "

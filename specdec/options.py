@@ -29,6 +29,9 @@ class DecodeOptions:
     tree: draft a token tree of this shape each round instead of a chain (``tree_drafting``); then
         ``gamma`` and ``verify_widths`` are not used (the tree's depth takes gamma's place), and
         only batch 1 with a standalone draft LM is supported.
+    compile: run the decoding steps of both models as compiled graphs over static caches
+        (``compiled``; CUDA graphs on CUDA); None compiles on CUDA and decodes eager elsewhere.
+        Token trees and early-exit drafts sharing the target's cache always decode eager.
     """
 
     gamma: int = 4
@@ -39,6 +42,7 @@ class DecodeOptions:
     verify_widths: Mapping[int, int] = field(default_factory=dict)
     kv_reuse: bool = True
     tree: TreeShape | None = None
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
@@ -49,6 +53,8 @@ class DecodeOptions:
             raise DraftsmithError(f"unknown cache kind {self.cache_kind!r}; choose one of {', '.join(CACHE_KINDS)}")
         if self.tree is not None and not isinstance(self.tree, TreeShape):
             raise DraftsmithError(f"tree must be a TreeShape (e.g. TreeShape.parse('3,2,1,1')), got {self.tree!r}")
+        if self.compile and self.tree is not None:
+            raise DraftsmithError("token trees decode eager; leave out compile (--no-compile) with a tree")
         for tokens, width in self.verify_widths.items():
             if not 1 <= tokens <= width:
                 raise DraftsmithError(f"verify widths map q >= 1 tokens to a width >= q, got {tokens}: {width}")

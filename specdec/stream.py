@@ -14,7 +14,6 @@ on the row count and on where the row sits. There, 16-bit decoding runs on one t
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,7 +47,8 @@ def decoding_threads(model: torch.nn.Module) -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
-_HEADS_WITH_STANDARD_STRIDES: weakref.WeakSet = weakref.WeakSet()
+def _contiguous_input(_module: torch.nn.Module, args: tuple) -> tuple:
+    return (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
 
 
 def standard_strides_into_head(model: torch.nn.Module) -> None:
@@ -57,16 +57,15 @@ def standard_strides_into_head(model: torch.nn.Module) -> None:
     ``logits_to_keep`` hands the head a slice of the hidden states, e.g. shape (1, 1, H) with a
     batch stride of Q*H. For such an input torch's bfloat16 CPU matmul takes a batched path that
     copies the whole weight first: 40 ms instead of 2 ms for a 49k-token head (benchmarks/cpu_kernels.py).
+    The hook is added once per head: a deep copy of a model (a draft made from the target) carries
+    its hooks along, and a compiled graph is specialized to the number of hooks it ran.
     """
     if not isinstance(model, PreTrainedModel):
         return  # a draft wrapper (reduced head, early exit) feeds its head itself
     head = model.get_output_embeddings()
-    if head is None or head in _HEADS_WITH_STANDARD_STRIDES:
+    if head is None or _contiguous_input in head._forward_pre_hooks.values():
         return
-    head.register_forward_pre_hook(
-        lambda _module, args: (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
-    )
-    _HEADS_WITH_STANDARD_STRIDES.add(head)
+    head.register_forward_pre_hook(_contiguous_input)
 
 
 def left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,10 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.specdec.cache import default_cache_kind
+from draftsmith.specdec.compiled import make_stream
 from draftsmith.specdec.drafters import Proposal
 from draftsmith.specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits
-from draftsmith.specdec.stream import ModelStream, decoding_threads
+from draftsmith.specdec.stream import decoding_threads
 from draftsmith.specdec.timing import Clock
 
 
@@ -45,12 +46,19 @@ def verification_inputs(last: torch.Tensor, proposal: Proposal) -> tuple[torch.T
 class TargetVerifier:
     """The whole target on its own cache. ``widths``: run a verification over q inputs as one over
     ``widths[q]`` (``DecodeOptions.verify_widths``); the padding sits after the real inputs, where
-    no real query attends to it, and the next rollback drops it."""
+    no real query attends to it, and the next rollback drops it. ``compiled``: verification forwards
+    are compiled graphs (``compiled.CompiledStream``), one per width."""
 
     def __init__(
-        self, target: PreTrainedModel, batch_size: int, capacity: int, cache_kind: str, widths: Mapping[int, int]
+        self,
+        target: PreTrainedModel,
+        batch_size: int,
+        capacity: int,
+        cache_kind: str,
+        widths: Mapping[int, int],
+        compiled: bool = False,
     ):
-        self.stream = ModelStream(target, batch_size, capacity, cache_kind, row_exact=True)
+        self.stream = make_stream(target, batch_size, capacity, cache_kind, role="target", compiled=compiled)
         self.widths = widths
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, reusable: None = None) -> torch.Tensor:
@@ -98,12 +106,16 @@ def choose_verify_widths(cost: Mapping[int, float], max_tokens: int) -> dict[int
 
 
 @torch.inference_mode()
-def tune_verify_widths(model: PreTrainedModel, max_tokens: int, context: int = 128, reps: int = 5) -> dict[int, int]:
+def tune_verify_widths(
+    model: PreTrainedModel, max_tokens: int, context: int = 128, reps: int = 5, compiled: bool = False
+) -> dict[int, int]:
     """Verification widths for ``model`` on this machine (``choose_verify_widths``): every width up to
-    ``max_tokens + 4`` timed on a ``context``-token cache, the median of ``reps`` forwards."""
+    ``max_tokens + 4`` timed on a ``context``-token cache, the median of ``reps`` forwards
+    (``compiled``: of compiled forwards, each width run twice first: compilation, graph capture)."""
     device = model.device
     clock = Clock(device)
-    stream = ModelStream(model, 1, context + max_tokens + 8, default_cache_kind(device))
+    capacity = context + max_tokens + 8
+    stream = make_stream(model, 1, capacity, default_cache_kind(device), role="target", compiled=compiled)
     prompt = torch.arange(1, context + 1, device=device)[None] % model.config.vocab_size
     cost = {}
     with decoding_threads(model):
@@ -111,10 +123,10 @@ def tune_verify_widths(model: PreTrainedModel, max_tokens: int, context: int = 1
         for width in range(1, max_tokens + 5):
             x = torch.ones(1, width, dtype=torch.long, device=device)
             times = []
-            for _ in range(reps):
+            for _ in range(reps + 2 if compiled else reps):
                 clock.lap()
                 stream.forward(x, torch.ones_like(x, dtype=torch.bool))
                 times.append(clock.lap())
                 stream.rollback(torch.tensor([context], device=device))
-            cost[width] = sorted(times)[reps // 2]
+            cost[width] = sorted(times[-reps:])[reps // 2]
     return choose_verify_widths(cost, max_tokens)

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -6,6 +7,33 @@ import torch
 # No hub is reachable in CI; fail fast instead of waiting on network timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Decoder tests run on every device this machine has, or on those DRAFTSMITH_TEST_DEVICES names
+# (comma-separated; the GPU check runs them on CUDA alone).
+DEVICES = [name for name in os.environ.get("DRAFTSMITH_TEST_DEVICES", "").split(",") if name] or (
+    ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+)
+
+# Packages some images lack (the GPU check's has neither datasets nor gguf).
+MISSING_PACKAGES = [name for name in ("datasets", "gguf") if importlib.util.find_spec(name) is None]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A test module that cannot be imported because it needs a missing optional package, directly or
+    through the library, is skipped, as ``pytest.importorskip`` at its top would skip it."""
+    report = yield
+    if report.failed and isinstance(collector, pytest.Module):
+        for name in MISSING_PACKAGES:
+            if f"No module named '{name}'" in str(report.longrepr):
+                report.outcome = "skipped"
+                report.longrepr = (str(collector.path), None, f"Skipped: {name} is not installed")
+    return report
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -132,9 +132,10 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
 @torch.no_grad()
 def target_conditionals(model, prompt: list[int], samples: torch.Tensor, params) -> torch.Tensor:
     """p(x_t | prompt, x_<t) of ``model`` for every sampled sequence and position: samples (N, T) ->
-    (N, T, V) float64, processed by ``reference_probs`` with the temperature, top-k and top-p of ``params``."""
-    inputs = torch.cat([torch.tensor(prompt).expand(len(samples), -1), samples], 1)
-    logits = model(input_ids=inputs[:, :-1]).logits[:, len(prompt) - 1 :]  # row t predicts samples[:, t]
+    (N, T, V) float64 on the CPU, processed by ``reference_probs`` with the temperature, top-k and
+    top-p of ``params``."""
+    inputs = torch.cat([torch.tensor(prompt).expand(len(samples), -1), samples], 1).to(model.device)
+    logits = model(input_ids=inputs[:, :-1]).logits[:, len(prompt) - 1 :].cpu()  # row t predicts samples[:, t]
     return reference_probs(logits, params.temperature, params.top_k, params.top_p)
 
 
@@ -173,7 +174,7 @@ def sample_spec(target, draft, params, gamma: int, seed: int = 0, samples: int =
     """``samples`` speculative continuations of each of ``SAMPLING_PROMPTS``: (tokens (N, 7) of the
     first prompt, of the second, stats). ``options``: more ``DecodeOptions`` fields."""
     prompts = [SAMPLING_PROMPTS[i % 2] for i in range(2 * samples)]
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
     out, stats = speculative_generate(
         target,
         draft,
