@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with an NVIDIA GPU and no network, run the test suite with the decoder
+# tests on CUDA (eager and compiled), then the decoder on random-weight models of real shapes, eager vs
+# compiled (benchmarks/real_shapes.py). It runs from the checkout without installing it: draftsmith is
+# put together from symbolic links as pyproject.toml maps it (scripts/ is draftsmith, specdec/ is
+# draftsmith.specdec, ...), and wheels in .whl/ (a transformers the image is too old for) are
+# installed into a temporary folder. Tests that need datasets or gguf are skipped where those are
+# missing. It ends within 8 minutes (each part has its own time limit) and says which versions it ran
+# with; with $OUT set, its logs and results are copied there.
+#
+#   bash benchmarks/gpu_check.sh --fetch-wheels   # where pip reaches PyPI: the wheels to carry, into .whl/
+#   bash benchmarks/gpu_check.sh                  # on the GPU machine, with .whl/ carried along
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 2
+PYTHON=${PYTHON:-python3}
+TESTS_S=${TESTS_S:-270}            # time limit of the test suite
+BENCHMARKS_S=${BENCHMARKS_S:-180}  # time limit of the benchmarks
+
+# transformers is the one package whose API the checkout needs newer than the GPU image has (5.17):
+# the cache is passed as `cache=`, and a static cache is cropped on rollback.
+required_transformers() {
+    "$PYTHON" - <<'EOF'
+import re, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+print(next(re.search(r">=([0-9.]+)", d).group(1) for d in deps if d.startswith("transformers")))
+EOF
+}
+
+if [[ ${1:-} == --fetch-wheels ]]; then
+    version=$(required_transformers) || exit 2
+    "$PYTHON" -m pip download --no-deps --only-binary=:all: -d .whl "transformers==$version" || exit 2
+    echo "wheels in $REPO/.whl: carry that folder to the GPU machine and run bash benchmarks/gpu_check.sh there"
+    exit 0
+fi
+
+WORK=$(mktemp -d)
+mkdir -p "$WORK/pkg/draftsmith" "$WORK/site" "$WORK/logs"
+for file in scripts/*.py; do ln -s "$REPO/$file" "$WORK/pkg/draftsmith/"; done
+for sub in specdec distill train configs; do ln -s "$REPO/$sub" "$WORK/pkg/draftsmith/$sub"; done
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .whl/*.whl || exit 2
+fi
+export PYTHONPATH="$WORK/pkg:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+"$PYTHON" - "$(required_transformers)" <<'EOF' | tee "$WORK/logs/versions.txt" || exit 2
+import platform, sys
+import torch, transformers
+from packaging.version import Version
+import draftsmith.specdec.decoder
+
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"transformers {transformers.__version__} from {transformers.__file__.rsplit('/', 2)[0]}, GPU: {gpu}")
+print(f"draftsmith from {draftsmith.specdec.decoder.__file__.rsplit('/', 2)[0]}")
+if Version(transformers.__version__) < Version(sys.argv[1]):
+    sys.exit(f"transformers {transformers.__version__} is older than the checkout needs (>= {sys.argv[1]}): "
+             "run bash benchmarks/gpu_check.sh --fetch-wheels where PyPI is reachable and carry .whl along")
+if not torch.cuda.is_available():
+    sys.exit("no CUDA device: the GPU check needs one")
+EOF
+
+status=0
+echo "== tests: decoder tests on CUDA, the rest as on any machine (limit ${TESTS_S} s)"
+parallel=()
+"$PYTHON" -c "import xdist" 2>/dev/null && parallel=(-n 8 --dist loadfile)
+DRAFTSMITH_TEST_DEVICES=cuda timeout -s INT "$TESTS_S" "$PYTHON" -m pytest -q -m "not slow and not vllm" \
+    "${parallel[@]}" -p no:cacheprovider tests 2>&1 | tee "$WORK/logs/tests.log"
+[[ ${PIPESTATUS[0]} == 0 ]] || status=1
+
+echo "== decoder on random-weight models of real shapes, bfloat16, eager vs compiled (limit ${BENCHMARKS_S} s)"
+timeout -s INT "$BENCHMARKS_S" "$PYTHON" benchmarks/real_shapes.py --device cuda --dtype bfloat16 \
+    --budget-s $((BENCHMARKS_S / 2)) 2>&1 | tee "$WORK/logs/real_shapes.log"
+[[ ${PIPESTATUS[0]} == 0 ]] || status=1
+
+if [[ -n ${OUT:-} ]]; then
+    cp "$WORK"/logs/*.txt "$WORK"/logs/*.log "$OUT"/ 2>/dev/null
+    cp benchmarks/results/real_shapes_cuda.json "$OUT"/ 2>/dev/null
+fi
+echo "== GPU check $([[ $status == 0 ]] && echo passed || echo FAILED); $(head -1 "$WORK/logs/versions.txt")"
+exit $status
