@@ -83,6 +83,7 @@ def test_a_new_model_of_the_same_architecture_reuses_the_compiled_graphs(target)
     assert compiled_graphs() == graphs
 
 
+@torch.inference_mode()  # as the decoder runs: a pooled cache holds inference tensors
 def test_static_caches_are_pooled_per_model_role_and_batch(target):
     cache = static_cache(target, "target", 2, 50)
     assert cache.layers[0].max_cache_len == 64  # a power of two, at least 64
