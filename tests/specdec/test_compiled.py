@@ -84,7 +84,8 @@ def test_a_new_model_of_the_same_architecture_reuses_the_compiled_graphs(target)
 
 
 @torch.inference_mode()  # as the decoder runs: a pooled cache holds inference tensors
-def test_static_caches_are_pooled_per_model_role_and_batch(target):
+def test_static_caches_are_pooled_per_model_role_and_batch(device):
+    target = tiny_llama(vocab=32, sharpness=8.0).to(device)  # its own model: the shared one has pooled caches
     cache = static_cache(target, "target", 2, 50)
     assert cache.layers[0].max_cache_len == 64  # a power of two, at least 64
     assert static_cache(target, "target", 2, 64) is cache  # large enough: the same tensors again
