@@ -32,12 +32,14 @@ from common import save
 
 from draftsmith.distill import dataset_builder
 from draftsmith.distill.draft_init import load_draft
+from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.draft_vocab import SubsetHeadDraft
 from draftsmith.specdec.evaluate import evaluate_pair
 from draftsmith.specdec.loading import eos_token_ids, load_model, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.train import checkpoint
-from draftsmith.train.config import DistillConfig, config_path, load_config
+from draftsmith.train.config import DistillConfig, config_path, load_config, load_run_config
 from draftsmith.train.loop import train
 
 TARGET = "smollm2-135m-instruct"
@@ -184,17 +186,29 @@ def main() -> None:
     target = load_model(TARGET, torch.device("cpu"), torch.float32)
     tokenizer = load_tokenizer(TARGET)
     prompts = read_prompts(prompts_file)
+    eos = eos_token_ids(target, tokenizer)
     result = {"cpu_flags": cpu_flags(), "dtype": "float32", "threads": torch.get_num_threads()}
     result |= {"engine": args.engine, "data_s": data_s, "heldout_prompts": len(prompts), "overrides": args.set}
     result |= {"max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "runs": []}
     drafts = [(Path(finals[0][0]).parent / "initial", {"rows": 0, "tokens": 0, "steps": 0})] + finals
     for folder, facts in drafts:
         print(f"measuring {folder} ({facts['tokens']} training tokens)", flush=True)
-        draft = load_draft(str(folder), target, torch.device("cpu"), torch.float32)
+        draft = with_trained_head(load_draft(str(folder), target, torch.device("cpu"), torch.float32), folder, eos)
         measured = measure(target, tokenizer, draft, prompts, args)
         result["runs"].append({**facts, "draft": str(folder), "measured": measured})
         save("data_scaling", result)
     plot(result, Path(__file__).parent / "results" / "data_scaling.png")
+
+
+def with_trained_head(draft, folder: Path, eos: frozenset[int]):
+    """The draft as its run trained it: with ``train_draft_vocab`` set, only the head rows of the run's
+    most frequent answer tokens were trained, so the draft proposes from those (as ``eval-run`` does);
+    the untrained draft is cut the same way as the smallest run."""
+    run = folder.parent
+    cfg = load_run_config(run)
+    if not cfg.train_draft_vocab:
+        return draft
+    return SubsetHeadDraft(draft, draft_vocab.load_ranking(run, cfg.train_draft_vocab), eos)
 
 
 def cpu_flags() -> list[str]:

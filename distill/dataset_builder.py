@@ -114,6 +114,19 @@ def lookup(settings: dict, dotted: str):
     return settings
 
 
+SHIPPED = Path(__file__).parent / "data"  # datasets that ship with draftsmith, by folder name
+
+
+def built_folder(spec: str) -> Path | None:
+    """The folder of the ``draftsmith data`` dataset that ``spec`` names: a path to one, or the name of
+    one that ships with draftsmith (``smollm2-self``); None when ``spec`` is another kind of source."""
+    if read_manifest(Path(spec)) is not None:
+        return Path(spec)
+    if "/" not in spec and read_manifest(SHIPPED / spec) is not None:
+        return SHIPPED / spec
+    return None
+
+
 def read_manifest(folder: Path) -> dict | None:
     path = Path(folder) / MANIFEST
     if not path.is_file():

@@ -1,9 +1,9 @@
 """``draftsmith quickstart``: the whole job on the embedded default target, end to end.
 
-Converts SmolLM2-135M-Instruct (once), builds a draft from its first layers, has the target answer
-the built-in prompts, distills the draft (the shipped config smollm2-135m), measures every
-checkpoint's real speedup on held-out prompts, publishes the best draft, and prints a before/after
-table. Re-running it resumes: finished steps are not repeated. Works from any folder.
+Converts SmolLM2-135M-Instruct (once), builds a draft from its first layers, distills it on the
+shipped dataset of the target's own answers (smollm2-self; the shipped config smollm2-135m), measures
+every checkpoint's real speedup on held-out prompts, publishes the best draft, and prints a
+before/after table. Re-running it resumes: finished steps are not repeated. Works from any folder.
 """
 
 from __future__ import annotations

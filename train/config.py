@@ -51,7 +51,9 @@ class DistillConfig:
     train_draft_vocab: int = 0
     # data
     data: str = "target"  # text | target
-    dataset: str = "builtin"  # builtin, a .jsonl/.json/.csv/.parquet/.txt file, a save_to_disk folder, a hub dataset
+    # builtin, a shipped dataset (smollm2-self), a `draftsmith data` folder, a .jsonl/.json/.csv/.parquet/.txt
+    # file, a save_to_disk folder, or a hub dataset
+    dataset: str = "builtin"
     dataset_split: str = "train"
     dataset_config: str | None = None  # a hub dataset's config name
     max_samples: int | None = None  # use the first this many rows of the dataset at most

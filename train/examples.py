@@ -28,8 +28,9 @@ def build_examples(
     In ``target`` mode the held-out prompts get the target's greedy answers (what greedy decoding
     will face), the training prompts ``gen_samples`` answers each with the generation settings.
     """
-    if dataset_builder.read_manifest(Path(cfg.dataset)) is not None:
-        return built_examples(cfg)
+    folder = dataset_builder.built_folder(cfg.dataset)
+    if folder is not None:
+        return built_examples(cfg, folder)
     rows = ddata.load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config)
     rows = ddata.map_columns(rows, cfg.column_map, cfg.dataset)
     if cfg.max_samples is not None:
@@ -57,11 +58,10 @@ def build_examples(
     return train_examples, held
 
 
-def built_examples(cfg: DistillConfig) -> tuple[list[dict], list[dict]]:
+def built_examples(cfg: DistillConfig, folder: Path) -> tuple[list[dict], list[dict]]:
     """(train, held-out) examples of a dataset folder written by ``draftsmith data``: the target's
     answers are already there, so nothing is generated. The first ``heldout`` rows after a seeded
     shuffle are held out (their answers were sampled with the dataset's own settings)."""
-    folder = Path(cfg.dataset)
     made_by = dataset_builder.read_manifest(folder)["settings"]["target"]
     if made_by != cfg.target:
         raise DraftsmithError(
@@ -215,8 +215,8 @@ def dataset_teacher_entries(
 ) -> dataset_cache.Entries | None:
     """The training examples' teacher entries from the top-k cache a ``draftsmith data`` folder carries
     (``--teacher-cache K``, K >= teacher_top_k, the run's teacher dtype), or None: then the run builds its own."""
-    folder = Path(cfg.dataset)
-    if dataset_builder.read_manifest(folder) is None:
+    folder = dataset_builder.built_folder(cfg.dataset)
+    if folder is None:
         return None
     dtype = str(target.dtype).removeprefix("torch.")
     entries = dataset_cache.dataset_entries(folder, examples, dtype, cfg.teacher_top_k, cfg.max_length)
