@@ -1,6 +1,7 @@
 """Chain vs fixed tree vs dynamic tree, side by side, on the default target (float32, batch 1).
 
-For the untrained 2-layer truncation of the default target (or a draft folder given by --draft),
+For the untrained 2-layer truncation of the default target and a draft folder given by --draft (a
+published draft decodes with the head cut to the vocabulary it carries, as ``draftsmith eval`` does),
 on the held-out evaluation prompts, greedy: each configuration's tau (tokens per verification),
 draft nodes per round, v (a verification forward's time over a one-token target step's), measured
 speedup over target-only decoding of the same prompts, and whether the output is the target's.
@@ -19,6 +20,7 @@ import torch
 from common import default_target, prompt_ids, save
 
 from draftsmith.distill.draft_init import truncate_target
+from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import load_model
 from draftsmith.specdec.options import DecodeOptions
@@ -70,7 +72,10 @@ def main() -> None:
     target, tokenizer, eos = default_target()
     drafts = {"untrained 2-layer": truncate_target(target, 2)}
     if args.draft:
-        drafts[args.draft] = load_model(args.draft, torch.device("cpu"), torch.float32)
+        draft = load_model(args.draft, torch.device("cpu"), torch.float32)
+        if (Path(args.draft) / draft_vocab.FILE).is_file():  # a published draft decodes with its cut head
+            draft = draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(Path(args.draft)), eos)
+        drafts[args.draft] = draft
     prompts = prompt_ids(tokenizer, args.prompts)
     result = {"cpu_flags": cpu_flags(), "dtype": "float32", "threads": torch.get_num_threads(), "drafts": {}}
     result |= {"prompts": len(prompts), "max_new_tokens": args.tokens}

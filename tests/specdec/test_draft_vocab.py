@@ -8,6 +8,7 @@ from draftsmith.specdec.draft_vocab import SubsetHeadDraft, load_ranking, rank_t
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.tree import TreeShape
 from tests.helpers import assert_fits, noisy_copy, sample_spec, tiny_llama
 
 
@@ -41,12 +42,14 @@ def test_subset_logits_are_the_drafts_on_the_kept_tokens_and_minus_inf_elsewhere
         SubsetHeadDraft(draft, [40])
 
 
-def test_greedy_output_unchanged_with_a_cut_head():
+@pytest.mark.parametrize("shape", [None, "2,1,1", "3,2,1:6"])  # a chain, a fixed tree, a dynamic tree
+def test_greedy_output_unchanged_with_a_cut_head(shape):
     target = tiny_llama(vocab=64, layers=2, hidden=32, sharpness=3.0)
     draft = SubsetHeadDraft(noisy_copy(target, 0.3), list(range(0, 64, 2)))
     prompt = [0, 5, 9, 33]
     want, _ = target_generate(target, [prompt], 40)
-    got, stats = speculative_generate(target, draft, [prompt], 40, options=DecodeOptions(gamma=3))
+    options = DecodeOptions(gamma=3) if shape is None else DecodeOptions(tree=TreeShape.parse(shape))
+    got, stats = speculative_generate(target, draft, [prompt], 40, options=options)
     assert got == want
     assert stats.accepted > 0
 
