@@ -27,8 +27,13 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.tree import TreeShape
 
 CONFIGS = {  # name -> options; node budgets: chain gamma = nodes per round
+    "chain g1": DecodeOptions(gamma=1),
+    "chain g2": DecodeOptions(gamma=2),
     "chain g3": DecodeOptions(gamma=3),
     "chain g6": DecodeOptions(gamma=6),
+    "tree 2 (2)": DecodeOptions(tree=TreeShape.parse("2")),
+    "tree 3 (3)": DecodeOptions(tree=TreeShape.parse("3")),
+    "tree 2,1 (4)": DecodeOptions(tree=TreeShape.parse("2,1")),
     "tree 2,1,1 (6)": DecodeOptions(tree=TreeShape.parse("2,1,1")),
     "tree 3,2,1,1 (21)": DecodeOptions(tree=TreeShape.parse("3,2,1,1")),
     "dyn 3,2,2,1:6": DecodeOptions(tree=TreeShape.parse("3,2,2,1:6")),

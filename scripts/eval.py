@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run both decoders' decoding steps as compiled graphs over static caches (CUDA graphs on CUDA), "
-        "compile time reported apart (default: on with CUDA, off on CPUs, where eager measured faster; "
+        "compile time reported apart (default: on with CUDA; off on CPUs, where compiling the default pair "
+        "took 3 minutes for 1.1x faster steps; "
         "token trees and early-exit drafts sharing the target's cache decode eager)",
     )
     p.add_argument(
