@@ -25,6 +25,7 @@ from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dt
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt, read_prompts
 from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.vllm_server import find_engine
 from draftsmith.train import speedup
 from draftsmith.train.config import load_run_config
 from draftsmith.train.models import load_target
@@ -63,6 +64,7 @@ def check_engine_eval_options(args: argparse.Namespace, unsupported: dict[str, o
     sizes = parse_list(args.engine_batch_sizes, int, "engine-batch-sizes")
     if any(size < 1 for size in sizes):
         raise DraftsmithError(f"--engine-batch-sizes must be >= 1, got {args.engine_batch_sizes}")
+    find_engine()  # a missing vLLM is said before the models load and the bundled decoder measures
     return sizes
 
 

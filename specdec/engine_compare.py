@@ -26,6 +26,7 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt, encode_chat
 from draftsmith.specdec.vllm_client import engine_version
 from draftsmith.specdec.vllm_measure import measure_engine_pair, serve_pair
+from draftsmith.specdec.vllm_server import find_engine
 
 BUNDLED_KEYS = ("acceptance_rate", "mean_accepted_tokens", "target_tokens_per_s", "spec_tokens_per_s", "speedup")
 BUNDLED_KEYS += ("speedup_spread", "predicted_speedup", "cost_ratio_c", "verify_ratio_v", "greedy_match")
@@ -72,6 +73,9 @@ def compare_with_engine(
     """
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise DraftsmithError(f"batch sizes must be >= 1, got {batch_sizes}")
+    serve_options = dict(serve_options or {})
+    if serve_options.get("engine") is None:  # a missing vLLM is said before minutes of measuring
+        serve_options["engine"] = find_engine()
     runs = {size: filled(prompts, size) for size in batch_sizes}
     bundled = {}
     for size, chosen in runs.items():
@@ -91,7 +95,7 @@ def compare_with_engine(
             progress=progress,
         )
     engine = {}
-    with serve_pair(target_spec, draft_folder, options.gamma, **(serve_options or {})) as (baseline, speculative):
+    with serve_pair(target_spec, draft_folder, options.gamma, **serve_options) as (baseline, speculative):
         version = engine_version(baseline)
         for size, chosen in runs.items():
             if progress:

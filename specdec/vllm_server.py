@@ -49,8 +49,8 @@ HOST = "127.0.0.1"
 # before parsing its arguments (it asks for the version of a distribution named "vllm").
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _HOW_TO_INSTALL = (
-    f"run `make vllm` in the draftsmith checkout, or set {ENGINE_VARIABLE} to the python (or the vllm "
-    "command) of an environment that has vLLM"
+    f"run `make vllm` in the draftsmith checkout, or set {ENGINE_VARIABLE} to the folder, the python or "
+    "the vllm command of an environment that has vLLM"
 )
 
 
@@ -81,7 +81,8 @@ class Server:
 
 
 def find_engine(checkout: Path | None = None) -> Engine:
-    """Locate vLLM: ``$DRAFTSMITH_VLLM`` (a python or a ``vllm`` command), else ``.venv-vllm``.
+    """Locate vLLM: ``$DRAFTSMITH_VLLM`` (a python or a ``vllm`` command, or the environment's folder),
+    else ``.venv-vllm``.
 
     ``.venv-vllm`` is looked for in ``checkout`` (default: the current folder and the draftsmith
     checkout this package runs from).
@@ -89,6 +90,8 @@ def find_engine(checkout: Path | None = None) -> Engine:
     named = os.environ.get(ENGINE_VARIABLE)
     if named:
         path = Path(named).expanduser()
+        if path.is_dir():  # an environment's folder: its python
+            path = path / "bin" / "python"
         if not (path.is_file() and os.access(path, os.X_OK)):
             raise DraftsmithError(f"{ENGINE_VARIABLE}={named} is not an executable file; {_HOW_TO_INSTALL}")
         return _engine_from_executable(path)

@@ -10,11 +10,12 @@ import json
 import pytest
 import torch
 
+from draftsmith import eval as eval_command
 from draftsmith.cli import main
 from draftsmith.distill.draft_init import truncate_target
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
-from draftsmith.specdec.vllm_server import find_engine
+from draftsmith.specdec.vllm_server import ENGINE_VARIABLE, find_engine
 from draftsmith.train.checkpoint import begin, commit, write_draft
 from draftsmith.train.config import DistillConfig, save_config
 
@@ -44,6 +45,15 @@ def test_what_the_engine_cannot_do_is_refused_in_one_line(extra, message, capsys
     assert main(["eval", "--draft", "truncate:2", *ENGINE[:2], *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
+
+
+def test_a_missing_engine_is_said_before_anything_is_measured(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(ENGINE_VARIABLE, str(tmp_path / "no-such-venv"))
+    monkeypatch.setattr(eval_command, "load_model", None)  # loading the models first would fail another way
+    assert main(["eval", "--draft", "truncate:2", *ENGINE, *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ENGINE_VARIABLE}={tmp_path / 'no-such-venv'} is not an executable file")
+    assert err.count("\n") == 1
 
 
 def test_engine_settings_need_the_engine(capsys):

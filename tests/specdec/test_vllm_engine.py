@@ -132,6 +132,20 @@ def test_engine_variable_must_name_an_executable(tmp_path, monkeypatch):
     assert engine.prefix == tmp_path.parent
 
 
+def test_engine_variable_may_name_the_environments_folder(tmp_path, monkeypatch):
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    python.chmod(0o755)
+    monkeypatch.setenv(ENGINE_VARIABLE, str(tmp_path / "venv"))
+    engine = find_engine()
+    assert engine.command == (str(python), "-m", "vllm.entrypoints.openai.api_server")
+    assert engine.prefix == tmp_path / "venv"
+    monkeypatch.setenv(ENGINE_VARIABLE, str(tmp_path))  # a folder without bin/python
+    with pytest.raises(DraftsmithError, match=f"{ENGINE_VARIABLE}=.* is not an executable file"):
+        find_engine()
+
+
 def test_a_port_in_use_is_refused():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         holder.bind((HOST, 0))
