@@ -4,6 +4,9 @@ import os
 import pytest
 import torch
 
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.vllm_server import find_engine
+
 # No hub is reachable in CI; fail fast instead of waiting on network timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -41,3 +44,22 @@ def _draftsmith_home(tmp_path_factory):
     """Converted models and caches go to a session folder unless DRAFTSMITH_HOME is set (to reuse one)."""
     if not os.environ.get("DRAFTSMITH_HOME"):
         os.environ["DRAFTSMITH_HOME"] = str(tmp_path_factory.mktemp("draftsmith-home"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The bundled decoder on one thread, as a vLLM server beside it: two OpenMP threads crawl on a
+    machine other jobs load. Modules that time both engines use it (``pytest.mark.usefixtures``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The vLLM environment ``make vllm`` installs (or ``$DRAFTSMITH_VLLM``); tests needing it skip without it."""
+    try:
+        return find_engine()
+    except DraftsmithError as err:
+        pytest.skip(f"no vLLM environment: {err}")

@@ -18,32 +18,14 @@ import torch
 from draftsmith.cli import main
 from draftsmith.distill.dataset_builder import load_built, read_self_prompts, shard_paths, training_examples
 from draftsmith.distill.dataset_cache import dataset_entries
-from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
 from draftsmith.specdec.prompts import encode_chat
-from draftsmith.specdec.vllm_server import HOST, find_engine, serve
+from draftsmith.specdec.vllm_server import HOST, serve
 from tests.scripts.test_data_cli import KILLED_RUN
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 ROOT = Path(__file__).parents[2]
 EOS = 2  # the default target's <|im_end|>
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The bundled decoder on one thread, as the server: two OpenMP threads crawl on a machine other jobs load."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def engine():
-    try:
-        return find_engine()
-    except DraftsmithError as err:
-        pytest.skip(f"no vLLM environment: {err}")
 
 
 @pytest.fixture(scope="module")

@@ -13,23 +13,14 @@ import torch
 from draftsmith import eval as eval_command
 from draftsmith.cli import main
 from draftsmith.distill.draft_init import truncate_target
-from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
-from draftsmith.specdec.vllm_server import ENGINE_VARIABLE, find_engine
+from draftsmith.specdec.vllm_server import ENGINE_VARIABLE
 from draftsmith.train.checkpoint import begin, commit, write_draft
 from draftsmith.train.config import DistillConfig, save_config
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the bundled decoder beside vLLM
 ENGINE = ["--engine", "vllm", "--engine-eager", "--engine-threads", "1"]
 SMALL = ["--limit", "2", "--max-new-tokens", "16", "--repeats", "1", "--dtype", "float32", "--no-progress"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The bundled decoder on one thread, as the servers: two OpenMP threads crawl on a machine other jobs load."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(
@@ -68,14 +59,6 @@ def test_an_early_exit_draft_is_not_a_standalone_model(capsys):
 
 
 # --- real vLLM servers -----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def engine():
-    try:
-        return find_engine()
-    except DraftsmithError as err:
-        pytest.skip(f"no vLLM environment: {err}")
 
 
 @pytest.mark.vllm

@@ -41,6 +41,8 @@ from draftsmith.specdec.vllm_server import (
 )
 from tests.helpers import first_layers
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the bundled decoder beside vLLM
+
 QUESTIONS = ["Why is the sky blue?", "Write a haiku about autumn.", "What is 12 times 7?"]
 MAX_TOKENS = 24
 GAMMA = 3
@@ -162,23 +164,6 @@ def test_a_url_where_no_server_answers_is_a_clear_error():
     url = f"http://{HOST}:{free_port()}"
     with pytest.raises(DraftsmithError, match=f"no vLLM server answers at {url}/v1/models"):
         connect(url)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The bundled decoder on one thread, as the servers: two OpenMP threads crawl on a machine other jobs load."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def engine():
-    try:
-        return find_engine()
-    except DraftsmithError as err:
-        pytest.skip(f"no vLLM environment: {err}")
 
 
 @pytest.fixture(scope="module")
