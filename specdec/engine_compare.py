@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.evaluate import evaluate_pair
+from draftsmith.specdec.evaluate import evaluate_pair, fmt
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt, encode_chat
 from draftsmith.specdec.vllm_client import engine_version
@@ -145,10 +145,6 @@ def comparison_row(batch_size: int, bundled: dict, engine: dict, prompts: int) -
 
 def format_comparison(report: dict) -> str:
     """A plain-text table: per batch size, vLLM's figures beside the bundled decoder's."""
-
-    def fmt(x, spec=".3f"):
-        return "-" if x is None else format(x, spec)
-
     head = (
         f"{'batch':>5} | {'vLLM alpha':>10}{'tau':>6}{'target t/s':>11}{'spec t/s':>9}{'speedup':>8} | "
         f"{'ours alpha':>10}{'tau':>6}{'speedup':>8}{'predicted':>10} | {'predicted/vLLM':>14}"

@@ -579,12 +579,13 @@ def spread(values: list[float | None]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def fmt(x: float | None, spec: str = ".3f") -> str:
+    """A figure for a plain-text table; ``-`` for one not measured."""
+    return "-" if x is None else format(x, spec)
+
+
 def format_table(report: dict) -> str:
     """A plain-text table of the report, overall and per category."""
-
-    def fmt(x, spec=".3f"):
-        return "-" if x is None else format(x, spec)
-
     head = (
         f"{'':<16}{'alpha':>8}{'tau':>7}{'target t/s':>12}{'spec t/s':>10}"
         f"{'speedup':>9}{'predicted':>10}{'c':>7}{'v':>7}"
