@@ -66,6 +66,7 @@ def main() -> None:
             str(CONFIG),
             [
                 f"output_dir={args.out}/{loss}",
+                "dataset=builtin",  # the built-in prompts and the target's answers to them
                 f"loss={loss}",
                 f"lr={args.lr}",
                 f"max_steps={args.steps}",

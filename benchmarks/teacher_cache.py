@@ -38,6 +38,7 @@ def main() -> None:
                     str(CONFIG),
                     [
                         f"output_dir={work / f'{mode}-{rep}'}",
+                        "dataset=builtin",  # the built-in prompts: a cache over them builds in minutes
                         f"max_steps={args.steps}",
                         f"log_steps={args.steps}",
                         f"save_steps={args.steps}",

@@ -43,7 +43,8 @@ def main() -> None:
             for arm, overrides in ARMS.items():
                 run = work / f"{arm.replace(' ', '_').replace('+', '')}-{rep}"
                 steps = [f"max_steps={args.steps}", f"log_steps={args.steps}", f"save_steps={args.steps}"]
-                cfg = load_config(DistillConfig, str(CONFIG), [f"output_dir={run}", *steps, *overrides])
+                data = "dataset=builtin"  # the target answers the built-in prompts at the start of each run
+                cfg = load_config(DistillConfig, str(CONFIG), [f"output_dir={run}", data, *steps, *overrides])
                 rates[arm].append(tokens_per_s(train(cfg)))
                 print(f"repeat {rep + 1} {arm}: {rates[arm][-1]:.1f} tokens/s")
 

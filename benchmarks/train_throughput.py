@@ -74,7 +74,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="train-throughput-bench-"))
     load_before = os.getloadavg()
-    common = [f"gen_samples={args.samples}", "teacher_dtype=float32", "mixed_precision=no", "max_steps=1000"]
+    # dataset=builtin: the arms train on the target's answers to the 56 built-in prompts, generated here
+    common = [
+        "dataset=builtin",
+        f"gen_samples={args.samples}",
+        "teacher_dtype=float32",
+        "mixed_precision=no",
+        "max_steps=1000",
+    ]
     runs, streams, setup_s = {}, {}, {}
     try:
         for arm, overrides in arms(args.draft_vocab, args.top_k).items():
