@@ -182,3 +182,91 @@ def subset_token_losses(
     else:
         raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
     return losses * mask
+
+
+# The lean path: the same losses at the M loss rows only (the positions where the mask is True, in
+# row-major order), over the columns the draft's head computes (its full vocabulary V, or the N tokens
+# of a cut head). The heads are applied at those rows only (``vocab_cut.loss_rows_head``), so nothing
+# of size (B, T, V) is built and prompt or padding positions cost no head, softmax or loss.
+
+
+def row_losses(
+    name: str,
+    student_logits: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    temperature: float = 1.0,
+    jsd_beta: float = 0.5,
+) -> torch.Tensor:
+    """forward_kl, reverse_kl, jsd or tvd at the loss rows: (M, n), (M, n) -> (M,).
+
+    student_logits: the draft's logits over its n columns; q is their softmax at ``temperature``.
+    teacher_log_probs: ``log p`` at ``temperature`` on the same columns, normalized over the target's
+    full vocabulary, so that ``p`` may sum to less than 1 over the columns (a cut head): the mass
+    outside enters TVD and JSD as a constant, exactly as in ``subset_token_losses``. Forward KL
+    renormalizes ``p`` over the columns (it is infinite otherwise, and with all V columns the
+    renormalization changes nothing), so for it the teacher's values may be off by a per-row constant:
+    the kept logits at temperature need no full-vocabulary normalizer.
+    """
+    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (M, n)
+    log_p = teacher_log_probs.float()
+    if name == "forward_kl":
+        log_p_cols = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
+        return (log_p_cols.exp() * (log_p_cols - log_q)).sum(-1)
+    p, q = log_p.exp(), log_q.exp()
+    if name == "reverse_kl":
+        return (q * (log_q - log_p)).sum(-1)
+    outside = (1 - p.sum(-1)).clamp(min=0)  # (M,): p's mass outside the columns, 0 for a full head
+    if name == "tvd":
+        return 0.5 * ((p - q).abs().sum(-1) + outside)
+    if name == "jsd":
+        if not 0 < jsd_beta < 1:
+            raise ValueError(f"jsd beta must be in (0, 1), got {jsd_beta}")
+        log_m = torch.logaddexp(log_p + math.log(jsd_beta), log_q + math.log(1 - jsd_beta))
+        inside = jsd_beta * (p * (log_p - log_m)).sum(-1) + (1 - jsd_beta) * (q * (log_q - log_m)).sum(-1)
+        return inside + jsd_beta * outside * -math.log(jsd_beta)  # outside the columns m = beta p
+    raise ValueError(f"unknown row loss {name!r}; choose one of forward_kl, reverse_kl, jsd, tvd")
+
+
+def row_acceptance(student_logits: torch.Tensor, teacher_log_probs: torch.Tensor, temperature: float = 1.0):
+    """``alpha = sum_x min(p(x), q(x))`` at the loss rows: (M, n), (M, n) -> (M,).
+
+    Over the columns only: where the draft has no column its q is 0, so min(p, q) adds nothing there.
+    ``teacher_log_probs`` normalized over the full vocabulary, as for ``row_losses``."""
+    q = F.softmax(student_logits.float() / temperature, dim=-1)
+    return torch.minimum(teacher_log_probs.float().exp(), q).sum(-1)
+
+
+def rows_accepted_length(alpha: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, gamma: int) -> torch.Tensor:
+    """``accepted_length`` at the loss rows from their acceptance: alpha (M,), mask (B, T), rows (M,) -> (M,).
+
+    A window runs over consecutive positions, so the rows' alpha go back to their places in (B, T)
+    (0 elsewhere, as ``expected_accepted`` masks them anyway), and the result is read at the rows."""
+    placed = torch.zeros(mask.numel(), dtype=alpha.dtype, device=alpha.device).index_put((rows,), alpha)
+    return expected_accepted(placed.view(mask.shape), mask, gamma).flatten().index_select(0, rows)
+
+
+def row_token_losses(
+    name: str,
+    student_logits: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: float = 1.0,
+    jsd_beta: float = 0.5,
+    gamma: int = 4,
+) -> torch.Tensor:
+    """The named loss at the loss rows (M,): ``token_losses`` (full head) or ``subset_token_losses``
+    (cut head) read at the rows ``rows`` (M,) = the flat indices of ``mask`` (B, T), from the heads'
+    values there: student logits (M, n) and teacher log-probs (M, n) (see ``row_losses``)."""
+    if name == "accepted_length":
+        alpha = row_acceptance(student_logits, teacher_log_probs, temperature)
+        return rows_accepted_length(alpha, mask, rows, gamma)
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+    return row_losses(name, student_logits, teacher_log_probs, temperature, jsd_beta)
+
+
+def row_cross_entropy(student_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hard-label cross-entropy at the loss rows: (M, n), (M,) -> (M,); labels < 0 give 0."""
+    losses = F.cross_entropy(student_logits.float(), labels.clamp(min=0), reduction="none")
+    return losses * (labels >= 0)

@@ -4,8 +4,9 @@ For every training example, at the positions that count in the loss, the cache k
 ``k`` most likely token ids (int32) and their log-probabilities (float16): ``6 k`` bytes per token.
 It is written as ``safetensors`` shards of ``shard_size`` examples, each written atomically, with
 ``meta.json`` written last: a folder without it is incomplete and rebuilt.
-Losses read it back through ``losses.densify_topk`` (or ``subset_logprobs`` for a draft whose head
-is cut to a token subset).
+The trainer reads it back at the loss rows (``rows_teacher_log_probs``: the top k kept, the rest of
+the mass spread evenly over the other tokens, as ``losses.densify_topk`` defines it), over the full
+vocabulary or a cut head's tokens.
 
 A cache belongs to a dataset's content, not to a run: its folder (``folder_for``) is named by the
 target, its dtype, ``k`` and a hash of the examples taken as a multiset (order-free), and every
@@ -26,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from draftsmith.distill import vocab_cut
 from draftsmith.distill.data import collate
 from draftsmith.distill.losses import densify_topk
 from draftsmith.specdec.errors import DraftsmithError
@@ -75,15 +77,26 @@ def build(
         for start in range(0, len(chunk), batch_size):
             batch = collate(chunk[start : start + batch_size], pad_id)
             batch = {k: v.to(target.device) for k, v in batch.items()}
-            logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            top = torch.topk(torch.log_softmax(logits.float(), -1), top_k, dim=-1)
-            for row in range(len(logits)):
-                mask = batch["loss_mask"][row]
-                ids.append(top.indices[row][mask].cpu())
-                logps.append(top.values[row][mask].cpu())
+            top_ids, top_logps = rows_top_k(target, batch, top_k)  # (M, k): the loss rows, row after row
+            counts = batch["loss_mask"].sum(1).tolist()
+            ids += top_ids.split(counts)
+            logps += top_logps.split(counts)
         tokens += write_shard(folder, shard, digests[shard * shard_size : (shard + 1) * shard_size], ids, logps)
     write_meta(folder, len(examples), tokens, top_k, n_shards)
     return folder
+
+
+def rows_top_k(target: PreTrainedModel, batch: dict, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-k (token ids, log-probs), each (M, k), at a batch's M loss rows: its head and
+    log-softmax at those rows only, a chunk of rows at a time (prompt and padding positions cost no head)."""
+    hidden = vocab_cut.target_rows(target, batch, vocab_cut.loss_rows(batch["loss_mask"])).hidden  # (M, H)
+    chunk = max(1, vocab_cut.CHUNK_ELEMENTS // target.config.vocab_size)
+    ids, logps = [torch.zeros(0, top_k, dtype=torch.long)], [torch.zeros(0, top_k)]
+    for start in range(0, len(hidden), chunk):
+        top = torch.topk(vocab_cut.head_log_probs(target, hidden[start : start + chunk], None), top_k, dim=-1)
+        ids.append(top.indices.cpu())
+        logps.append(top.values.cpu())
+    return torch.cat(ids), torch.cat(logps)
 
 
 def save(
@@ -217,3 +230,43 @@ def subset_teacher_logprobs(
     logprobs = torch.cat([e[1] for e in entries]).to(mask.device)
     out[mask] = subset_logprobs(indices, logprobs, ids, vocab_size, temperature)
     return out
+
+
+def topk_log_probs(
+    indices: torch.Tensor,
+    logprobs: torch.Tensor,
+    vocab_size: int,
+    ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs at ``temperature`` of the distribution ``densify_topk`` makes of top-k entries (the
+    top k kept, the rest spread evenly), at the loss rows: (M, k) ids and log-probs -> (M, N) on the
+    tokens ``ids``, or (M, V) for ``ids`` None.
+
+    The values of ``log_softmax(densify_topk(indices, logprobs, V) / temperature)`` (what the losses
+    took of the dense cache), normalized over the full vocabulary from the k values and the rest's
+    share (no log-softmax over V, nothing of size (B, T, V))."""
+    if ids is not None:
+        return subset_logprobs(indices, logprobs, ids, vocab_size, temperature)
+    others = vocab_size - indices.shape[-1]
+    top = logprobs.float() / temperature  # (M, k)
+    rest = (1 - logprobs.float().exp().sum(-1, keepdim=True)).clamp(min=1e-9)  # (M, 1)
+    log_other = (rest / max(others, 1)).log() / temperature  # (M, 1): each token outside the top k
+    terms = [top, log_other + math.log(others)] if others else [top]
+    log_norm = torch.logsumexp(torch.cat(terms, dim=-1), dim=-1, keepdim=True)  # (M, 1)
+    out = (log_other - log_norm).expand(-1, vocab_size).clone()  # (M, V)
+    return out.scatter_(1, indices.long(), top - log_norm)
+
+
+def rows_teacher_log_probs(
+    entries: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    vocab_size: int,
+    ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Teacher log-probs at the loss rows of a batch whose rows are ``entries`` (their loss positions in
+    order, which is the row-major order of the loss rows): (M, N) on ``ids``, or (M, V)."""
+    indices = torch.cat([e[0] for e in entries]).to(device)  # (M, k)
+    logprobs = torch.cat([e[1] for e in entries]).to(device)
+    return topk_log_probs(indices, logprobs, vocab_size, ids, temperature)

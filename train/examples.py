@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +18,16 @@ from draftsmith.specdec.loading import draftsmith_home, eos_token_ids
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.train.config import DistillConfig
 
-TeacherLogits = Callable[[dict], torch.Tensor]  # batch -> (B, T, V) teacher logits or log-probs; (B, T, N) cut
+
+@dataclass
+class TeacherRows:
+    """The teacher at a batch's M loss rows (the ``loss_mask`` positions in row-major order)."""
+
+    log_probs: torch.Tensor  # (M, V), or (M, N) on a cut head's tokens: log p at the loss temperature
+    hidden: dict[int, torch.Tensor] | None = None  # the target's hidden states (B, T, H) of layers asked for
+
+
+Teacher = Callable[[dict, torch.Tensor], TeacherRows]  # (batch, loss rows (M,)) -> the teacher there
 
 
 def build_examples(
@@ -166,22 +176,25 @@ def teacher(
     pad: int,
     accelerator: Accelerator,
     head_ids: torch.Tensor | None = None,
-) -> TeacherLogits:
-    """The function that gives a batch's teacher logits: the target's forward, or the top-k cache.
+) -> Teacher:
+    """The function that gives the teacher at a batch's loss rows: the target's forward, or the top-k cache.
 
     examples: (train, held-out). The cache covers both (the dataset's content), so a run with
-    another seed or held-out split of the same data reads the same cache. With ``head_ids`` (N,) the
-    draft's head is cut: the function gives the target's log-probs on those tokens at the loss
-    temperature (B, T, N), normalized over its full vocabulary."""
+    another seed or held-out split of the same data reads the same cache. The function gives the
+    target's log-probs at the loss temperature at the rows, over its full vocabulary (M, V) or, with
+    ``head_ids`` (N,) (the draft's head cut), on those tokens (M, N), normalized over the full
+    vocabulary; for forward KL with a cut head the live target's are the kept logits at temperature
+    (forward KL renormalizes over the kept tokens, so their full normalizer is never computed)."""
     train_examples, heldout = examples
     vocab, temperature = target.config.vocab_size, cfg.loss_temperature
     if not cfg.teacher_cache:
+        full_normalizer = cfg.loss != "forward_kl"
 
-        def live(batch: dict) -> torch.Tensor:
-            # .to(): a target spread with teacher_device_map returns logits on its last device
-            logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            logits = logits.to(accelerator.device)  # (B, T, V)
-            return logits if head_ids is None else vocab_cut.teacher_log_probs(logits, head_ids, temperature)
+        def live(batch: dict, rows: torch.Tensor) -> TeacherRows:
+            hidden = vocab_cut.target_rows(target, batch, rows).hidden  # (M, H)
+            log_probs = vocab_cut.head_log_probs(target, hidden, head_ids, temperature, full_normalizer)
+            # .to(): a target spread with teacher_device_map computes on its last device
+            return TeacherRows(log_probs.to(accelerator.device))
 
         return live
     entries = dataset_teacher_entries(cfg, target, train_examples, accelerator)
@@ -201,11 +214,11 @@ def teacher(
     for i, example in enumerate(train_examples):
         example["index"] = i  # the batch's rows are these entries
 
-    def cached(batch: dict) -> torch.Tensor:
-        rows = [entries[i] for i in batch["index"].tolist()]
-        if head_ids is None:
-            return teacher_cache.dense_teacher_logprobs(rows, batch["loss_mask"], vocab)  # (B, T, V)
-        return teacher_cache.subset_teacher_logprobs(rows, batch["loss_mask"], head_ids, vocab, temperature)
+    def cached(batch: dict, rows: torch.Tensor) -> TeacherRows:
+        batch_entries = [entries[i] for i in batch["index"].tolist()]
+        return TeacherRows(
+            teacher_cache.rows_teacher_log_probs(batch_entries, rows.device, vocab, head_ids, temperature)
+        )
 
     return cached
 

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_sc
 from draftsmith.distill import data as ddata
 from draftsmith.distill import vocab_cut
 from draftsmith.distill.draft_init import count_parameters
-from draftsmith.distill.losses import acceptance_probability, cross_entropy, subset_token_losses, token_losses
+from draftsmith.distill.losses import row_acceptance, row_cross_entropy, row_token_losses
 from draftsmith.distill.on_policy import OnPolicyMixer, example_prompt
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
@@ -41,18 +41,19 @@ from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.timing import eval_mode
 from draftsmith.train import checkpoint, speedup
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, save_config
-from draftsmith.train.examples import TeacherLogits, build_examples, generation, loaders, teacher
+from draftsmith.train.examples import Teacher, build_examples, generation, loaders, teacher
 from draftsmith.train.models import build_models, in_dtype_of, mixed_precision
 
 LOGS = ("metrics.jsonl", "losses.jsonl", "speedup.jsonl")  # one JSON record per line, each with its "step"
 
 
 @dataclass
-class HeadCut:
-    """Where a training forward cuts the draft's head: the unwrapped draft and the kept token ids."""
+class LossHead:
+    """Where a training forward applies the draft's head: the unwrapped draft, at the loss rows, over
+    the kept token ids of a cut head (None: the full head)."""
 
     model: torch.nn.Module  # the draft unwrapped (a DDP wrapper calls its head)
-    ids: torch.Tensor  # (N,)
+    ids: torch.Tensor | None  # (N,)
     vocab_size: int
 
 
@@ -71,7 +72,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: DataLoader
     heldout: DataLoader
-    teacher: TeacherLogits
+    teacher: Teacher
     ranking: list[int]  # token ids by frequency in the training answers (draft_vocab.json)
     head_ids: torch.Tensor | None = None  # (N,) the tokens the draft's head is cut to (train_draft_vocab)
     mixer: OnPolicyMixer | None = None  # on-policy data, when on_policy_fraction > 0
@@ -225,11 +226,9 @@ def decoding_draft(draft, head_ids: torch.Tensor | None):
     return draft if head_ids is None else draft_vocab.SubsetHeadDraft(draft, head_ids.tolist())
 
 
-def head_cut(run: Run) -> HeadCut | None:
-    """How this run's training forwards cut the draft's head (None: the full head)."""
-    if run.head_ids is None:
-        return None
-    return HeadCut(run.accelerator.unwrap_model(run.draft), run.head_ids, run.target.config.vocab_size)
+def loss_head(run: Run) -> LossHead:
+    """How this run's training forwards apply the draft's head: at the loss rows, full or cut."""
+    return LossHead(run.accelerator.unwrap_model(run.draft), run.head_ids, run.target.config.vocab_size)
 
 
 def describe(accelerator: Accelerator, draft, target, n_examples: int, head_ids: torch.Tensor | None) -> None:
@@ -303,28 +302,25 @@ def save_cut(run: Run, folder: Path) -> None:
         draft_vocab.save_ranking(folder, run.ranking[: run.cfg.train_draft_vocab])
 
 
-def distill_step_loss(
-    cfg: DistillConfig, draft, teacher_logits: TeacherLogits, batch: dict, cut: HeadCut | None = None
-) -> torch.Tensor:
+def distill_step_loss(cfg: DistillConfig, draft, teacher_rows: Teacher, batch: dict, head: LossHead) -> torch.Tensor:
     """Sum over valid tokens of the configured loss for one micro-batch (not yet normalized).
 
-    cut: train with the draft's head cut to ``cut.ids``; logits and loss over those N tokens."""
+    Both heads run at the M loss rows only (the ``loss_mask`` positions): the draft's through its own
+    forward with ``head.model``'s output embedding swapped, over ``head.ids`` for a cut head."""
     mask = batch["loss_mask"]  # (B, T)
-    labels = torch.where(mask, batch["input_ids"].roll(-1, dims=1), -100)
+    rows = vocab_cut.loss_rows(mask)  # (M,)
     with torch.no_grad():
-        teacher_out = teacher_logits(batch)  # (B, T, V), or (B, T, N) log-probs with a cut head
-    if cut is None:
-        student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-        losses = token_losses(cfg.loss, student, teacher_out, mask, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma)
-    else:
-        with vocab_cut.head_cut_to(cut.model, cut.ids):
-            student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, N)
-        losses = subset_token_losses(
-            cfg.loss, student, teacher_out, mask, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma
-        )
-        labels = vocab_cut.subset_labels(labels, cut.ids, cut.vocab_size)
+        teacher_out = teacher_rows(batch, rows).log_probs  # (M, V), or (M, N) with a cut head
+    with vocab_cut.loss_rows_head(head.model, rows, head.ids):
+        student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    losses = row_token_losses(
+        cfg.loss, student, teacher_out, mask, rows, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma
+    )  # (M,)
     if cfg.ce_weight:
-        losses = (1 - cfg.ce_weight) * losses + cfg.ce_weight * cross_entropy(student, labels)
+        labels = batch["input_ids"].roll(-1, dims=1).flatten().index_select(0, rows)  # (M,): the next tokens
+        if head.ids is not None:
+            labels = vocab_cut.subset_labels(labels, head.ids, head.vocab_size)
+        losses = (1 - cfg.ce_weight) * losses + cfg.ce_weight * row_cross_entropy(student, labels)
     return losses.sum()
 
 
@@ -340,11 +336,11 @@ def train_step(run: Run, micro: list[dict]) -> tuple[float, int]:
     global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum"))
     # DDP averages gradients over processes, hence the factor num_processes.
     scale = accelerator.num_processes / max(global_tokens, 1)
-    step_loss = 0.0
+    step_loss, head = 0.0, loss_head(run)
     for i, batch in enumerate(micro):
         sync = i == len(micro) - 1  # gradients are all-reduced once, after the last micro-batch
         with contextlib.nullcontext() if sync else accelerator.no_sync(run.draft):
-            loss = distill_step_loss(cfg, run.draft, run.teacher, batch, head_cut(run)) * scale
+            loss = distill_step_loss(cfg, run.draft, run.teacher, batch, head) * scale
             accelerator.backward(loss)
         step_loss += float(loss.detach()) / accelerator.num_processes
     run.grad_norm = float(accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm))
@@ -423,20 +419,20 @@ def summarize(run: Run) -> None:
 def heldout_metrics(draft, target, loader, accelerator: Accelerator, head_ids: torch.Tensor | None = None) -> dict:
     """Mean acceptance probability sum_x min(p, q) and TVD over held-out tokens, synced across processes.
 
-    Exact over the target's full vocabulary; with ``head_ids`` the draft's q is the cut head's (zero
-    outside those tokens), as it decodes."""
+    Exact over the target's full vocabulary, with both heads at the loss rows only; with ``head_ids``
+    the draft's q is the cut head's (zero outside those tokens), as it decodes."""
     alpha = torchmetrics.MeanMetric().to(accelerator.device)
+    model = accelerator.unwrap_model(draft)
     was_training = draft.training
     draft.eval()
     for batch in loader:
-        mask = batch["loss_mask"]  # (B, T)
-        p = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-        q = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        if head_ids is not None:
-            kept = torch.zeros(q.shape[-1], dtype=torch.bool, device=q.device)
-            q = q.masked_fill(~kept.index_fill_(0, head_ids, True), float("-inf"))  # (B, T, V)
-        a = acceptance_probability(q, p)  # (B, T)
-        alpha.update(a[mask], weight=torch.ones_like(a[mask]))
+        rows = vocab_cut.loss_rows(batch["loss_mask"])  # (M,)
+        hidden = vocab_cut.target_rows(target, batch, rows).hidden  # (M, H)
+        p = vocab_cut.head_log_probs(target, hidden, head_ids).to(accelerator.device)  # (M, N or V), at temperature 1
+        with vocab_cut.loss_rows_head(model, rows, head_ids):
+            q = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        a = row_acceptance(q, p)  # (M,)
+        alpha.update(a, weight=torch.ones_like(a))
     draft.train(was_training)
     value = float(alpha.compute())
     return {"acceptance_rate": value, "tvd": 1 - value}

@@ -29,7 +29,8 @@ def watched_run(cfg: DistillConfig, monkeypatch) -> tuple[list[tuple[int, ...]],
 
     def watched_models(*args):
         target, tokenizer, draft = build_models(*args)
-        target.register_forward_pre_hook(record, with_kwargs=True)
+        # the decoder: the trainer runs it and applies the head at the loss rows only
+        target.get_decoder().register_forward_pre_hook(record, with_kwargs=True)
         return target, tokenizer, draft
 
     def captured_examples(*args):
