@@ -12,7 +12,7 @@ import argparse
 import torch
 from common import default_target, median, prompt_ids, save
 
-from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import load_model
 from draftsmith.specdec.options import DecodeOptions

@@ -11,7 +11,7 @@ import argparse
 
 from common import default_target, median, prompt_ids, save, timed
 
-from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.cache import CACHE_KINDS
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.options import DecodeOptions

@@ -17,7 +17,7 @@ import statistics
 import torch
 from common import PROMPTS, default_target, save
 
-from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.compiled import CompiledStream, compile_mode
 from draftsmith.specdec.evaluate import evaluate_pair

@@ -31,7 +31,7 @@ import torch
 from common import save
 
 from draftsmith.distill import dataset_builder
-from draftsmith.distill.draft_init import load_draft
+from draftsmith.distill.drafts import load_draft
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.draft_vocab import SubsetHeadDraft
 from draftsmith.specdec.evaluate import evaluate_pair

@@ -17,7 +17,7 @@ import copy
 import torch
 from common import default_target, median, prompt_ids, save, timed
 
-from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.evaluate import predicted_speedup, step_costs, sum_stats
 from draftsmith.specdec.hf_compare import configure_assistant, hf_generate

@@ -20,7 +20,7 @@ import torch
 from accelerate import Accelerator
 from common import save
 
-from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.distill.losses import acceptance_probability
 from draftsmith.specdec.decoder import speculative_generate
 from draftsmith.specdec.loading import eos_token_ids, load_model

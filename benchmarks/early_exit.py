@@ -17,7 +17,7 @@ import argparse
 import torch
 from common import PROMPTS, default_target, save
 
-from draftsmith.distill.draft_init import load_draft
+from draftsmith.distill.drafts import load_draft
 from draftsmith.specdec.evaluate import evaluate_pair
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts

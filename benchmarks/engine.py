@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from common import PROMPTS, default_target, save
 
-from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.distill.engines import BundledEngine, VllmEngine
 from draftsmith.distill.self_prompts import derived_seed
 from draftsmith.specdec.evaluate import evaluate_pair

@@ -21,7 +21,7 @@ import torch
 from common import save
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.evaluate import Tally, pair_metrics
 from draftsmith.specdec.loading import resolve_dtype

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from common import default_target, prompt_ids, save
 
-from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import load_model

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.distill.draft_init import load_draft
-from draftsmith.distill.early_exit import EarlyExitDraft
+from draftsmith.distill.drafts import DraftKind, kind_of_model, load_draft
 from draftsmith.engine_eval import check_engine_eval_options, engine_eval_options, engine_report, show_engine_report
 from draftsmith.options import GAMMA, device_options, draft_vocab_option, progress_option, prompt_options
 from draftsmith.specdec import draft_vocab
@@ -29,7 +28,6 @@ from draftsmith.specdec.loading import (
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
-from draftsmith.specdec.self_spec import measure_verify_saving
 from draftsmith.specdec.tree import TreeShape
 
 DESCRIPTION = """Measure how much faster a draft makes a target: acceptance rate, mean accepted tokens (tau),
@@ -130,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cut_head(args, draft, early_exit: bool, eos: frozenset[int]):
+def _cut_head(args, draft, kind: DraftKind, eos: frozenset[int]):
     """The draft with its head cut to the ``--draft-vocab`` most frequent tokens of its run."""
     folder = Path(args.draft)
-    if early_exit or not folder.is_dir():
+    if not kind.cuts_head or not folder.is_dir():
         raise DraftsmithError("--draft-vocab needs a trained draft folder from a distillation run (not self/truncate)")
     if args.compare_hf:
         raise DraftsmithError("--compare-hf times transformers with the full draft; leave out --draft-vocab there")
@@ -175,16 +173,8 @@ def _published_settings(args) -> None:
         args.tree, args.tree_source = carried_tree, "generation_config.json"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    not_in_engine = {
-        "--compare-hf": args.compare_hf,
-        "--all-turns": args.all_turns,
-        "--batch-size": args.batch_size != 1,
-    }
-    not_in_engine.update({"--confidence-threshold": args.confidence_threshold, "--draft-vocab": args.draft_vocab})
-    engine_batch_sizes = check_engine_eval_options(args, not_in_engine)
-    _published_settings(args)
+def decode_options(args: argparse.Namespace) -> DecodeOptions:
+    """The decoding settings the arguments ask for, checked together."""
     options = DecodeOptions(
         gamma=args.gamma,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
@@ -205,29 +195,48 @@ def main(argv: list[str] | None = None) -> int:
         raise DraftsmithError(f"--limit must be >= 1 (prompts to use; leave it out for all), got {args.limit}")
     if args.batch_size < 1:
         raise DraftsmithError(f"--batch-size must be >= 1, got {args.batch_size}")
-    prompts = read_prompts(args.prompts, all_turns=args.all_turns)[: args.limit]
-    device = resolve_device(args.device)
+    return options
+
+
+def eval_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
     dtype = resolve_dtype(args.dtype, device)
     if args.dtype is None and args.batch_size > 1 and dtype != torch.float32:
         # Row-exact decoding (identical greedy output in 16-bit dtypes) covers batch 1 only.
         dtype = torch.float32
         print("batch > 1: measuring in float32, where batched greedy output stays the target's (see --dtype)")
+    return dtype
 
+
+def load_pair(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """(tokenizer, target, draft, the draft's kind), checked against what the arguments ask of them."""
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, device, dtype)
     draft = load_draft(args.draft, target, device, dtype)
-    early_exit = isinstance(draft, EarlyExitDraft)
-    if args.draft != "self" and not args.draft.startswith(("truncate:", "early_exit:")) and not early_exit:
+    kind = kind_of_model(draft)
+    if kind.standalone and args.draft != "self" and not args.draft.startswith("truncate:"):
         check_compatible(tokenizer, load_tokenizer(args.draft), target.config.vocab_size, draft.config.vocab_size)
-    if early_exit and options.tree is not None and not args.no_kv_reuse:
-        raise DraftsmithError(
-            "--tree with an early-exit draft needs --no-kv-reuse (a tree is drafted on its own cache)"
-        )
-    if early_exit and args.compare_hf:
-        raise DraftsmithError("--compare-hf needs a standalone draft; an early-exit draft shares the target's layers")
-    kv_reuse = early_exit and not args.no_kv_reuse
+    if args.compare_hf and not kind.standalone:
+        raise DraftsmithError(f"--compare-hf needs a standalone draft; {args.draft} is a {kind.name} draft")
+    return tokenizer, target, draft, kind
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    not_in_engine = {
+        "--compare-hf": args.compare_hf,
+        "--all-turns": args.all_turns,
+        "--batch-size": args.batch_size != 1,
+    }
+    not_in_engine.update({"--confidence-threshold": args.confidence_threshold, "--draft-vocab": args.draft_vocab})
+    engine_batch_sizes = check_engine_eval_options(args, not_in_engine)
+    _published_settings(args)
+    options = decode_options(args)
+    prompts = read_prompts(args.prompts, all_turns=args.all_turns)[: args.limit]
+    device = resolve_device(args.device)
+    dtype = eval_dtype(args, device)
+    tokenizer, target, draft, kind = load_pair(args, device, dtype)
+    eos = eos_token_ids(target, tokenizer)
     if engine_batch_sizes:  # --engine vllm: the pair in vLLM beside the bundled decoder
-        eos = eos_token_ids(target, tokenizer)
         report = engine_report(
             args,
             target,
@@ -247,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers is timed on models as transformers loads them, apart from the ones our decoder runs.
     compare_hf = _stock_pair(args, device, dtype) if args.compare_hf else None
     if args.draft_vocab:
-        draft = _cut_head(args, draft, early_exit, eos_token_ids(target, tokenizer))
-
+        draft = _cut_head(args, draft, kind, eos)
     report = evaluate_pair(
         target,
         draft,
@@ -256,17 +264,21 @@ def main(argv: list[str] | None = None) -> int:
         prompts,
         options=options,
         max_new_tokens=args.max_new_tokens,
-        eos_ids=eos_token_ids(target, tokenizer),
+        eos_ids=eos,
         seed=args.seed,
         repeats=args.repeats,
         batch_size=args.batch_size,
         compare_hf=compare_hf,
         progress=not args.no_progress,
     )
-    if early_exit:
-        report.update(measure_verify_saving(target, draft, args.gamma))
+    report.update(kind.decoding_report(target, draft, args.gamma, options.kv_reuse))
+    return finish(args, report, device, dtype)
+
+
+def finish(args: argparse.Namespace, report: dict, device: torch.device, dtype: torch.dtype) -> int:
+    """Print the report (and what the kind added), write it as JSON when asked; the exit status."""
     report.update(
-        kv_reuse=kv_reuse,
+        kv_reuse=report.get("kv_reuse", False),
         target=args.target,
         draft=args.draft,
         device=str(device),
@@ -277,12 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         prompts_file=str(args.prompts),
     )
     print(format_table(report))
-    if early_exit:
+    if "verify_time_saved" in report:
         print(
             f"verification pass over {args.gamma + 1} tokens: "
             f"{report['verify_s_kv_reuse'] * 1e3:.1f} ms with KV reuse, "
             f"{report['verify_s_full'] * 1e3:.1f} ms with the full target ({report['verify_time_saved']:.1%} saved); "
-            f"this run {'reused' if kv_reuse else 'did not reuse'} the draft's KV"
+            f"this run {'reused' if report['kv_reuse'] else 'did not reuse'} the draft's KV"
         )
     if args.json_out:
         out = Path(args.json_out)

@@ -38,7 +38,7 @@ from transformers import Cache, StaticCache
 from draftsmith.specdec.attention import use_exact_attention
 from draftsmith.specdec.cache import SlotTracker, slot_mask
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.stream import ModelStream, standard_strides_into_head
+from draftsmith.specdec.stream import ModelStream, Verification, standard_strides_into_head
 
 MIN_CAPACITY = 64  # pooled caches hold a power of two of slots, at least this many
 
@@ -163,6 +163,13 @@ class CompiledStream(ModelStream):
         # A replay overwrites a captured graph's outputs: keep a copy of the live rows.
         return logits[self.rows] if len(self.rows) < batch or self.cuda_graphs else logits
 
+    def forward_features(
+        self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...], logits_to_keep: int = 0
+    ) -> Verification:
+        if layers:
+            raise DraftsmithError("a draft that reads the target's hidden states decodes eager; pass --no-compile")
+        return Verification(self.forward(tokens, valid, logits_to_keep))
+
     def rollback(self, keep: torch.Tensor) -> None:
         full = self.tracker.pos.clone()  # finished rows keep what they hold
         full[self.rows] = keep
@@ -173,7 +180,9 @@ class CompiledStream(ModelStream):
     def select(self, rows: torch.Tensor) -> None:
         self.rows = self.rows[rows]
 
-    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def forward_tree(
+        self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, layers: tuple[int, ...] = ()
+    ) -> Verification:
         raise DraftsmithError("token trees decode eager; pass --no-compile with --tree")
 
     def keep_slots(self, slots: list[int]) -> None:

@@ -10,8 +10,10 @@ One round (Leviathan et al. 2023, Chen et al. 2023), the steps of ``speculative_
            of rejected tokens are forgotten, nothing before them is recomputed.
 
 The loop knows drafters and verifiers only by their calls (``drafters.Drafter``,
-``verify.Verifier``): a standalone draft LM, or a draft made of the target's own first layers that
-shares its cache (``self_spec``), run in the same loop.
+``verify.Verifier``): a standalone draft LM, a draft made of the target's own first layers that
+shares its cache, a head that reads the target's hidden states, all run in the same loop. What the
+target's forward produced reaches the drafter once per round (``Drafter.observe``), after
+acceptance and before rollback.
 
 Batching design: padded slots with per-sequence positions. All sequences of a batch write the
 same cache slots in each forward, but each keeps its own logical positions (``position_ids``) and
@@ -32,14 +34,13 @@ from transformers import PreTrainedModel
 
 from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.compiled import make_stream, resolve_compile
-from draftsmith.specdec.drafters import Drafter, LMDrafter, Proposal
+from draftsmith.specdec.drafters import Drafter, LMDrafter, PairedDraft, Proposal
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams, choose_token
-from draftsmith.specdec.self_spec import EarlyExit, shared_layers_pair
 from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad
 from draftsmith.specdec.timing import Clock
-from draftsmith.specdec.tree_drafting import accept_tree, commit_tree, draft_tree, verify_tree
+from draftsmith.specdec.tree_drafting import accept_tree, kept_rows
 from draftsmith.specdec.verify import TargetVerifier, Verifier, accept, verification_inputs
 
 
@@ -206,23 +207,26 @@ def speculative_generate(
 ) -> tuple[list[list[int]], DecodeStats]:
     """Speculative decoding of ``prompts`` (token id lists): the output is exactly the target's.
 
-    draft: a causal LM over the target's vocabulary, or a ``self_spec.EarlyExit`` draft, which
-    shares the target's cache when ``options.kv_reuse``. The target is switched to row-exact
+    draft: a causal LM over the target's vocabulary (decoded by ``drafters.LMDrafter``), or a
+    ``drafters.PairedDraft``, which builds its own (verifier, drafter) pair (a draft sharing the
+    target's cache, a head reading its hidden states). The target is switched to row-exact
     attention (``specdec.attention``), so a verification forward gives the logits of single-token
     steps, bit for bit, in any dtype. With ``options.compile`` (by default on CUDA) both models'
-    decoding steps run compiled (``compiled``); the round loop is the same.
+    decoding steps run compiled (``compiled``) where the pair allows it; the round loop is the same.
     """
     _check_prompts(prompts, max_new_tokens)
     device, batch = target.device, len(prompts)
     clock = Clock(device)
     stats = DecodeStats(batch_size=batch, seq_proposed=[0] * batch, seq_accepted=[0] * batch)
     out = Outputs(prompts, max_new_tokens, eos_ids)
-    verifier, drafter = _verifier_and_drafter(target, draft, prompts, max_new_tokens, options)
+    verifier, drafter = decoding_pair(target, draft, prompts, max_new_tokens, options)
     with decoding_threads(target):
         # Prefill: both models read the prompts; the target's logits after them give the first tokens.
         tokens, valid = left_pad(prompts, device)
         reusable = drafter.prefill(tokens, valid)
-        first = choose_token(verifier.prefill(tokens, valid, reusable), options.sampling, generator)
+        prefilled = verifier.prefill(tokens, valid, reusable)
+        first = choose_token(prefilled.logits[:, -1], options.sampling, generator)
+        drafter.observe(prefilled, valid)
         for seq, token in enumerate(first.tolist()):
             stats.new_tokens += out.emit(seq, [token])
         stats.target_forwards, stats.draft_forwards = 1, 1
@@ -233,47 +237,71 @@ def speculative_generate(
             if options.tree is not None:  # the same four steps over a token tree (tree_drafting)
                 _tree_round(out, stats, verifier, drafter, options, generator, clock)
                 continue
-            # 1. Draft: up to gamma tokens each, never past max_new_tokens (a round emits n + 1).
-            budget = torch.tensor([min(options.gamma, out.remaining(seq) - 1) for seq in live], device=device)
-            proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
-            stats.draft_forwards += proposal.steps
-            stats.draft_time += clock.lap()
-
-            # 2. Verify: one target forward over [x_n, d_1 .. d_g] for every sequence.
-            last = torch.tensor([out.sequences[seq][-1] for seq in live], device=device)
-            inputs, valid = verification_inputs(last, proposal)
-            target_logits = verifier.verify(inputs, valid, proposal.reusable)  # (B, g+1, V)
-            stats.target_forwards += 1
-            stats.verify_time += clock.lap()
-
-            # 3. Accept a prefix of each proposal, then one token from the target after it.
-            n_accepted, next_token = accept(proposal, target_logits, options.sampling, generator)
-
-            # 4. Commit: emit, then roll both caches back to the committed tokens except the newest
-            #    (the next round's x_n, which no cache has read).
-            _emit_round(out, stats, live, proposal, n_accepted, next_token)
-            keep = torch.tensor([len(out.sequences[seq]) - 1 for seq in live], device=device)
-            verifier.rollback(keep)
-            drafter.rollback(keep)
-            stats.other_time += clock.lap()
+            _chain_round(out, stats, live, verifier, drafter, options, generator, clock, device)
     stats.total_time = clock.total()
     return out.tokens, stats
 
 
+def _chain_round(
+    out: Outputs,
+    stats: DecodeStats,
+    live: list[int],
+    verifier: Verifier,
+    drafter: Drafter,
+    options: DecodeOptions,
+    generator: torch.Generator | None,
+    clock: Clock,
+    device: torch.device,
+) -> None:
+    """One round for the ``live`` sequences (one per batch row): draft, verify, accept, commit."""
+    # 1. Draft: up to gamma tokens each, never past max_new_tokens (a round emits n + 1).
+    budget = torch.tensor([min(options.gamma, out.remaining(seq) - 1) for seq in live], device=device)
+    proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
+    stats.draft_forwards += proposal.steps
+    stats.draft_time += clock.lap()
+
+    # 2. Verify: one target forward over [x_n, d_1 .. d_g] for every sequence.
+    last = torch.tensor([out.sequences[seq][-1] for seq in live], device=device)
+    inputs, valid = verification_inputs(last, proposal)
+    verification = verifier.verify(inputs, valid, proposal.reusable)  # logits (B, g+1, V)
+    stats.target_forwards += 1
+    stats.verify_time += clock.lap()
+
+    # 3. Accept a prefix of each proposal, then one token from the target after it.
+    n_accepted, next_token = accept(proposal, verification.logits, options.sampling, generator)
+
+    # 4. Commit: the drafter sees what verification produced for the committed rows (x_n and the
+    #    accepted drafts); emit, then roll both caches back to the committed tokens except the
+    #    newest (the next round's x_n, which no cache has read).
+    drafter.observe(verification, torch.arange(inputs.shape[1], device=device)[None, :] <= n_accepted[:, None])
+    _emit_round(out, stats, live, proposal, n_accepted, next_token)
+    keep = torch.tensor([len(out.sequences[seq]) - 1 for seq in live], device=device)
+    verifier.rollback(keep)
+    drafter.rollback(keep)
+    stats.other_time += clock.lap()
+
+
 def decodes_compiled(target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> bool:
     """Whether ``speculative_generate`` runs the pair's decoding steps compiled (``compiled``):
-    ``options.compile``, or by default on CUDA; never for token trees or an early-exit draft that
-    shares the target's cache (refused when asked for)."""
-    if options.kv_reuse and isinstance(draft, EarlyExit):
-        if options.compile:
-            raise DraftsmithError(
-                "an early-exit draft sharing the target's cache decodes eager; pass --no-compile or --no-kv-reuse"
-            )
-        return False
+    ``options.compile``, or by default on CUDA; never for token trees; a ``PairedDraft`` decides
+    for its own pair (refusing ``options.compile`` where it cannot)."""
+    if isinstance(draft, PairedDraft):
+        return draft.decodes_compiled(target, options)
     return options.tree is None and resolve_compile(options.compile, target)
 
 
-def _verifier_and_drafter(
+def decoding_capacity(prompts: list[list[int]], max_new_tokens: int, options: DecodeOptions) -> int:
+    """Cache slots a model needs to decode ``prompts`` with ``options``."""
+    if options.tree is not None:
+        # A round adds x_n and the tree's nodes to the caches before compacting them.
+        return max(len(p) for p in prompts) + max_new_tokens + options.tree.max_nodes + 2
+    widest = max([options.gamma + 1, *options.verify_widths.values()])
+    # A round adds at most `widest` slots; with batch > 1 a ragged round also leaves holes behind.
+    extra = max_new_tokens + widest + 1 if len(prompts) == 1 else (max_new_tokens + 1) * widest + 1
+    return max(len(p) for p in prompts) + extra
+
+
+def decoding_pair(
     target: PreTrainedModel,
     draft: torch.nn.Module,
     prompts: list[list[int]],
@@ -281,45 +309,36 @@ def _verifier_and_drafter(
     options: DecodeOptions,
 ) -> tuple[Verifier, Drafter]:
     """The target's and the draft's sides of the loop, with caches sized for the whole run."""
-    batch = len(prompts)
-    if options.tree is not None:
-        return _tree_pair(target, draft, prompts, max_new_tokens, options)
-    widest = max([options.gamma + 1, *options.verify_widths.values()])
-    # A round adds at most `widest` slots; with batch > 1 a ragged round also leaves holes behind.
-    extra = max_new_tokens + widest + 1 if batch == 1 else (max_new_tokens + 1) * widest + 1
-    capacity = max(len(p) for p in prompts) + extra
-    compiled = decodes_compiled(target, draft, options)
-    if options.kv_reuse and isinstance(draft, EarlyExit):
-        return shared_layers_pair(target, draft, batch, capacity, options)
-    cache_kind = options.cache_kind or default_cache_kind(target.device)
-    verifier = TargetVerifier(target, batch, capacity, cache_kind, options.verify_widths, compiled=compiled)
-    return verifier, LMDrafter(draft, batch, capacity, cache_kind, compiled=compiled)
+    if options.tree is not None and len(prompts) > 1:
+        raise DraftsmithError(f"tree decoding takes one prompt at a time, got a batch of {len(prompts)}")
+    capacity = decoding_capacity(prompts, max_new_tokens, options)
+    if isinstance(draft, PairedDraft):
+        return draft.decoding_pair(target, len(prompts), capacity, options)
+    return standalone_pair(target, draft, len(prompts), capacity, options)
 
 
-def _tree_pair(
+def standalone_pair(
     target: PreTrainedModel,
     draft: torch.nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int,
+    batch_size: int,
+    capacity: int,
     options: DecodeOptions,
+    feature_layers: tuple[int, ...] = (),
 ) -> tuple[TargetVerifier, LMDrafter]:
-    """The target and a standalone draft on their own caches, for tree rounds (batch 1)."""
-    if len(prompts) > 1:
-        raise DraftsmithError(f"tree decoding takes one prompt at a time, got a batch of {len(prompts)}")
-    if options.kv_reuse and isinstance(draft, EarlyExit):
-        raise DraftsmithError("tree decoding needs a standalone draft; pass kv_reuse=False for an early-exit draft")
-    # A round adds x_n and the tree's nodes to the caches before compacting them.
-    capacity = len(prompts[0]) + max_new_tokens + options.tree.max_nodes + 2
+    """The whole target and a standalone draft LM, each on its own cache (``feature_layers``: the
+    target layers whose hidden states each verification also returns, for a drafter that reads them)."""
+    compiled = options.tree is None and resolve_compile(options.compile, target)
     cache_kind = options.cache_kind or default_cache_kind(target.device)
-    verifier = TargetVerifier(target, 1, capacity, cache_kind, widths={})
-    return verifier, LMDrafter(draft, 1, capacity, cache_kind)
+    widths = options.verify_widths if options.tree is None else {}
+    verifier = TargetVerifier(target, batch_size, capacity, cache_kind, widths, compiled, feature_layers)
+    return verifier, LMDrafter(draft, batch_size, capacity, cache_kind, compiled=compiled)
 
 
 def _tree_round(
     out: Outputs,
     stats: DecodeStats,
-    verifier: TargetVerifier,
-    drafter: LMDrafter,
+    verifier: Verifier,
+    drafter: Drafter,
     options: DecodeOptions,
     generator: torch.Generator | None,
     clock: Clock,
@@ -327,14 +346,16 @@ def _tree_round(
     """One round over a token tree for the one live sequence (0): draft, verify, accept, commit."""
     sequence = out.sequences[0]
     # Never past max_new_tokens: a round emits the path plus one token.
-    tree = draft_tree(drafter.stream, sequence, options.tree, max_depth=min(options.tree.depth, out.remaining(0) - 1))
+    tree = drafter.propose_tree(sequence, options.tree, max_depth=min(options.tree.depth, out.remaining(0) - 1))
     stats.draft_forwards += tree.steps
     stats.draft_time += clock.lap()
-    target_logits = verify_tree(verifier.stream, last=sequence[-1], tree=tree)  # (N+1, V)
+    verification = verifier.verify_tree(sequence[-1], tree)  # logits (1, N+1, V)
     stats.target_forwards += 1
     stats.verify_time += clock.lap()
-    path, next_token = accept_tree(tree, target_logits, options.sampling, generator)
-    commit_tree(verifier.stream, drafter.stream, tree, path)
+    path, next_token = accept_tree(tree, verification.logits[0], options.sampling, generator)
+    drafter.observe(verification, kept_rows(tree, path).to(verification.logits.device))
+    verifier.commit_tree(tree, path)
+    drafter.commit_tree(tree, path)
     kept = out.emit(0, [tree.tokens[node] for node in path] + [next_token])
     stats.new_tokens += kept
     stats.round_tokens += kept

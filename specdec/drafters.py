@@ -1,30 +1,43 @@
 """Drafters: what proposes the tokens of a round of speculative decoding.
 
-A drafter keeps its own state across rounds (a KV cache) and answers four calls of the round loop
+A drafter keeps its own state across rounds (a KV cache) and answers the calls of the round loop
 (``decoder.speculative_generate``):
 
 - ``prefill(tokens, valid)`` reads the prompts; returns what the target can reuse of that work
   (the hidden states of a draft made of the target's first layers), or None;
 - ``propose(sequences, budget, options, generator)`` drafts up to ``budget[b]`` tokens for each
   sequence, with the distributions ``q`` they were drawn from (a ``Proposal``);
+- ``observe(verification, kept)`` receives what the target's forward produced (its logits, and the
+  hidden states of the target layers named in the drafter's ``feature_layers``) and which of its
+  input rows hold committed tokens; called after the prefill and after every acceptance, before
+  rollback, so that a drafter can condition its next round on the target's own features;
 - ``rollback(keep)`` forgets all but the first ``keep[b]`` tokens of each sequence;
-- ``select(rows)`` keeps only those batch rows (finished sequences leave the batch).
+- ``select(rows)`` keeps only those batch rows (finished sequences leave the batch);
+- ``propose_tree`` / ``commit_tree``: the same for token-tree rounds (``tree_drafting``), batch 1.
 
-Two implement it: ``LMDrafter`` (a standalone causal LM with its own cache, here) and
-``self_spec.SharedLayersDrafter`` (the target's first layers plus an exit head, sharing the
-target's cache).
+``LMDrafter`` (a standalone causal LM with its own cache) is here. Other kinds of draft build
+their own (verifier, drafter) pair: a draft model that satisfies ``PairedDraft`` is asked for it
+by the decoder (a draft sharing the target's cache, a head reading the target's hidden states).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from draftsmith.specdec.compiled import make_stream
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import process_logits, sample
+from draftsmith.specdec.stream import Verification
+from draftsmith.specdec.tree import TreeShape
+from draftsmith.specdec.tree_drafting import Tree, draft_tree, keep_draft_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from draftsmith.specdec.verify import Verifier
 
 
 @dataclass
@@ -45,6 +58,8 @@ class Proposal:
 
 
 class Drafter(Protocol):
+    feature_layers: tuple[int, ...]  # target layers whose hidden states ``observe`` receives; () for none
+
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None: ...
 
     def propose(
@@ -55,9 +70,39 @@ class Drafter(Protocol):
         generator: torch.Generator | None,
     ) -> Proposal: ...
 
+    def observe(self, verification: Verification, kept: torch.Tensor) -> None:
+        """``kept`` (B, Q) bool: the input rows of the target's forward that hold committed tokens
+        (prefill: the prompt tokens; a chain round: x_n and the accepted drafts; a tree round: x_n
+        and the accepted path), in order; ``verification`` covers all Q rows."""
+        ...
+
     def rollback(self, keep: torch.Tensor) -> None: ...
 
     def select(self, rows: torch.Tensor) -> None: ...
+
+    def propose_tree(self, sequence: list[int], shape: TreeShape, max_depth: int) -> Tree:
+        """A token tree of at most ``max_depth`` levels after the one sequence's committed tokens."""
+        ...
+
+    def commit_tree(self, tree: Tree, path: list[int]) -> None:
+        """Keep only the accepted ``path`` (node indices) of the last tree in the drafter's state."""
+        ...
+
+
+@runtime_checkable
+class PairedDraft(Protocol):
+    """A draft model that decodes with its own (verifier, drafter) pair instead of ``LMDrafter`` on a
+    ``verify.TargetVerifier``: it shares the target's cache, or reads the target's hidden states.
+
+    ``decoding_pair`` builds both sides for ``batch_size`` sequences of up to ``capacity`` tokens;
+    ``decodes_compiled`` says whether those sides run compiled steps with ``options`` (refusing
+    ``options.compile`` where they cannot)."""
+
+    def decoding_pair(
+        self, target: PreTrainedModel, batch_size: int, capacity: int, options: DecodeOptions
+    ) -> tuple[Verifier, Drafter]: ...
+
+    def decodes_compiled(self, target: PreTrainedModel, options: DecodeOptions) -> bool: ...
 
 
 def draft_step(
@@ -98,11 +143,16 @@ class LMDrafter:
     feeding it what it has not read.
     """
 
+    feature_layers: tuple[int, ...] = ()  # it reads nothing of the target's
+
     def __init__(self, model: torch.nn.Module, batch_size: int, capacity: int, cache_kind: str, compiled: bool = False):
         self.stream = make_stream(model, batch_size, capacity, cache_kind, role="draft", compiled=compiled)
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         self.stream.forward(tokens, valid, logits_to_keep=1)
+
+    def observe(self, verification: Verification, kept: torch.Tensor) -> None:
+        """Nothing: a standalone LM reads only the committed tokens."""
 
     def propose(
         self,
@@ -150,3 +200,9 @@ class LMDrafter:
 
     def select(self, rows: torch.Tensor) -> None:
         self.stream.select(rows)
+
+    def propose_tree(self, sequence: list[int], shape: TreeShape, max_depth: int) -> Tree:
+        return draft_tree(self.stream, sequence, shape, max_depth)
+
+    def commit_tree(self, tree: Tree, path: list[int]) -> None:
+        keep_draft_path(self.stream, tree, path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -23,6 +24,20 @@ from transformers import PreTrainedModel
 from draftsmith.specdec.attention import EXACT, MAX_ROWS, use_exact_attention
 from draftsmith.specdec.cache import SlotTracker, make_cache, select_batch
 from draftsmith.specdec.loading import cpu_has_native_bfloat16
+
+
+@dataclass
+class Verification:
+    """What one target forward produced, handed to the drafter (``Drafter.observe``).
+
+    logits: (B, K, V) the target's logits (prefill: after the last prompt token only, K = 1).
+    hidden: {layer i: (B, Q, H)} the residual stream entering target layer i (``hidden_states[i]``
+        of a transformers forward: i = 0 is the embeddings, i = L the final normed output) at every
+        input row of the forward, for the layers the drafter asked for; empty when it asked for none.
+    """
+
+    logits: torch.Tensor
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def needs_row_padding(model: torch.nn.Module) -> bool:
@@ -106,14 +121,22 @@ class ModelStream:
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         """Append ``tokens`` (B, Q) (padding where ``valid`` is False) and return logits (B, K, V)."""
+        return self.forward_features(tokens, valid, (), logits_to_keep).logits
+
+    def forward_features(
+        self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...], logits_to_keep: int = 0
+    ) -> Verification:
+        """``forward``, also giving the hidden states entering the model's ``layers`` at every input row."""
         if self.pad_single and tokens.shape == (1, 1):
-            logits = self._forward(tokens.repeat(1, 2), self._pad_valid, 0, exact_rows=1)
+            out = self._forward(tokens.repeat(1, 2), self._pad_valid, 0, layers, exact_rows=1)
             self.tracker.drop_last_slot()  # the padding slot
             self.cache.crop(-1)
-            return logits[:, :1]
-        return self._forward(tokens, valid, logits_to_keep)
+            return Verification(out.logits[:, :1], {i: h[:, :1] for i, h in out.hidden.items()})
+        return self._forward(tokens, valid, logits_to_keep, layers)
 
-    def _forward(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int, **attention) -> torch.Tensor:
+    def _forward(
+        self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int, layers: tuple[int, ...], **attention
+    ) -> Verification:
         holes_before = self.tracker.holes
         positions = self.tracker.reserve(valid)
         kv_length, _ = self.cache.get_mask_sizes(tokens.shape[1], 0)
@@ -129,15 +152,19 @@ class ModelStream:
             cache=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            output_hidden_states=bool(layers),
             **attention,
         )
-        return out.logits
+        return Verification(out.logits, {i: out.hidden_states[i] for i in layers})
 
-    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def forward_tree(
+        self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, layers: tuple[int, ...] = ()
+    ) -> Verification:
         """Append the inputs ``tokens`` (1, Q) of one sequence at explicit ``positions`` (1, Q), input
         i attending to the cache slots where ``visible[i]`` (Q, S) is True (S: slots in use after this
-        forward); logits (1, Q, V). Used for token trees, whose nodes sit at positions by depth and
-        see only their ancestors; ``keep_slots`` commits some of them afterwards."""
+        forward); logits (1, Q, V) and the hidden states entering ``layers``. Used for token trees,
+        whose nodes sit at positions by depth and see only their ancestors; ``keep_slots`` commits
+        some of them afterwards."""
         q = tokens.shape[1]
         self.tracker.reserve_at(positions)
         kv_length, _ = self.cache.get_mask_sizes(q, 0)
@@ -153,9 +180,10 @@ class ModelStream:
             attention_mask=mask,
             cache=self.cache,
             use_cache=True,
+            output_hidden_states=bool(layers),
             **attention,
         )
-        return out.logits
+        return Verification(out.logits, {i: out.hidden_states[i] for i in layers})
 
     def keep_slots(self, slots: list[int]) -> None:
         """Commit the uncommitted slots ``slots`` (ascending, at or after the sequence's committed

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.specdec.sampling import SamplingParams, process_logits
-from draftsmith.specdec.stream import ModelStream
+from draftsmith.specdec.stream import ModelStream, Verification
 from draftsmith.specdec.tree import (
     ROOT,
     TreeShape,
@@ -101,7 +101,7 @@ def _feed_level(stream: ModelStream, tree: Tree, nodes: list[int], base: int) ->
         positions.append(base - 1 + len(path))  # x_n sits at base - 1
     tokens = torch.tensor([[tree.tokens[n] for n in nodes]], device=stream.device)  # (1, F)
     position_ids = torch.tensor([positions], device=stream.device)
-    return stream.forward_tree(tokens, position_ids, visible.to(stream.device))[0]
+    return stream.forward_tree(tokens, position_ids, visible.to(stream.device)).logits[0]
 
 
 def _prune(tree: Tree, budget: int) -> None:
@@ -113,17 +113,25 @@ def _prune(tree: Tree, budget: int) -> None:
     tree.slots = {new: tree.slots[old] for new, old in enumerate(keep) if old in tree.slots}
 
 
-def verify_tree(stream: ModelStream, last: int, tree: Tree) -> torch.Tensor:
-    """Target logits (N+1, V) over ``[x_n, nodes...]`` in one forward: row 0 after ``x_n``, row
-    ``1 + i`` after node i. The target's cache holds the committed tokens before ``x_n``."""
+def verify_tree(stream: ModelStream, last: int, tree: Tree, layers: tuple[int, ...] = ()) -> Verification:
+    """The target's forward over ``[x_n, nodes...]`` in one pass: logits (1, N+1, V), row 0 after
+    ``x_n``, row ``1 + i`` after node i, and the hidden states entering ``layers`` at those rows.
+    The target's cache holds the committed tokens before ``x_n``."""
     if not tree.tokens:
         step = torch.tensor([[last]], device=stream.device)
-        return stream.forward(step, torch.ones_like(step, dtype=torch.bool))[0]
+        return stream.forward_features(step, torch.ones_like(step, dtype=torch.bool), layers)
     base = stream.lengths[0]
     inputs = torch.tensor([[last, *tree.tokens]], device=stream.device)  # (1, N+1)
     positions = torch.tensor([[base + d for d in [0, *depths(tree.parents)]]], device=stream.device)
     visible = torch.cat([torch.ones(len(tree.tokens) + 1, base, dtype=torch.bool), ancestor_matrix(tree.parents)], 1)
-    return stream.forward_tree(inputs, positions, visible.to(stream.device))[0]
+    return stream.forward_tree(inputs, positions, visible.to(stream.device), layers)
+
+
+def kept_rows(tree: Tree, path: list[int]) -> torch.Tensor:
+    """(1, N+1) bool: the rows of ``verify_tree``'s forward that hold committed tokens, x_n and the path."""
+    kept = torch.zeros(1, len(tree.tokens) + 1, dtype=torch.bool)
+    kept[0, [0, *(1 + node for node in path)]] = True
+    return kept
 
 
 def accept_tree(
@@ -137,10 +145,13 @@ def accept_tree(
     return accept_tree_sampled(tree.tokens, tree.parents, probs, generator=generator)
 
 
-def commit_tree(target: ModelStream, draft: ModelStream, tree: Tree, path: list[int]) -> None:
-    """Keep only ``x_n`` and the accepted path in the target's cache, and the path's fed nodes in the
-    draft's (they are a prefix of the path: a fed node's ancestors were fed)."""
+def keep_target_path(target: ModelStream, tree: Tree, path: list[int]) -> None:
+    """Keep only ``x_n`` and the accepted path in the target's cache."""
     base = target.lengths[0]
     if tree.tokens:
         target.keep_slots([base, *(base + 1 + node for node in path)])
+
+
+def keep_draft_path(draft: ModelStream, tree: Tree, path: list[int]) -> None:
+    """Keep the path's fed nodes in the draft's cache (a prefix of the path: a fed node's ancestors were fed)."""
     draft.keep_slots([tree.slots[node] for node in path if node in tree.slots])

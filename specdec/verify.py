@@ -4,8 +4,10 @@ acceptance rule keeps a prefix of them (``sampling.accept_greedy`` / ``sampling.
 A verifier keeps the target's state across rounds and answers the round loop
 (``decoder.speculative_generate``): ``prefill(tokens, valid, reusable)`` gives the logits after
 each prompt, ``verify(inputs, valid, reusable)`` the logits (B, Q, V) of a verification forward over
-``[x_n, d_1 .. d_g]``, and ``rollback`` / ``select`` as a drafter's. ``reusable`` is what the
-draft computed that the target can start from (``drafters.Proposal.reusable``), or None.
+``[x_n, d_1 .. d_g]``, both as a ``Verification`` that also carries the hidden states the drafter
+asked for (its ``feature_layers``, computed in the same forward and nothing else); ``rollback`` /
+``select`` as a drafter's; ``verify_tree`` / ``commit_tree`` for token-tree rounds. ``reusable`` is
+what the draft computed that the target can start from (``drafters.Proposal.reusable``), or None.
 Two implement it: ``TargetVerifier`` (the whole target on its own cache, here) and
 ``self_spec.UpperLayersVerifier`` (the target's layers above those the draft shares).
 """
@@ -22,18 +24,27 @@ from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.compiled import make_stream
 from draftsmith.specdec.drafters import Proposal
 from draftsmith.specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits
-from draftsmith.specdec.stream import decoding_threads
+from draftsmith.specdec.stream import Verification, decoding_threads
 from draftsmith.specdec.timing import Clock
+from draftsmith.specdec.tree_drafting import Tree, keep_target_path, verify_tree
 
 
 class Verifier(Protocol):
-    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, reusable: torch.Tensor | None) -> torch.Tensor: ...
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, reusable: torch.Tensor | None) -> Verification:
+        """The logits after each prompt (B, 1, V), hidden states at every prompt row."""
+        ...
 
-    def verify(self, inputs: torch.Tensor, valid: torch.Tensor, reusable: torch.Tensor | None) -> torch.Tensor: ...
+    def verify(self, inputs: torch.Tensor, valid: torch.Tensor, reusable: torch.Tensor | None) -> Verification: ...
 
     def rollback(self, keep: torch.Tensor) -> None: ...
 
     def select(self, rows: torch.Tensor) -> None: ...
+
+    def verify_tree(self, last: int, tree: Tree) -> Verification:
+        """One forward over ``[x_n, nodes...]`` of the one sequence (``tree_drafting.verify_tree``)."""
+        ...
+
+    def commit_tree(self, tree: Tree, path: list[int]) -> None: ...
 
 
 def verification_inputs(last: torch.Tensor, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +58,8 @@ class TargetVerifier:
     """The whole target on its own cache. ``widths``: run a verification over q inputs as one over
     ``widths[q]`` (``DecodeOptions.verify_widths``); the padding sits after the real inputs, where
     no real query attends to it, and the next rollback drops it. ``compiled``: verification forwards
-    are compiled graphs (``compiled.CompiledStream``), one per width."""
+    are compiled graphs (``compiled.CompiledStream``), one per width. ``feature_layers``: the target
+    layers whose entering hidden states every forward also returns (the drafter's)."""
 
     def __init__(
         self,
@@ -57,26 +69,35 @@ class TargetVerifier:
         cache_kind: str,
         widths: Mapping[int, int],
         compiled: bool = False,
+        feature_layers: tuple[int, ...] = (),
     ):
         self.stream = make_stream(target, batch_size, capacity, cache_kind, role="target", compiled=compiled)
         self.widths = widths
+        self.feature_layers = feature_layers
 
-    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, reusable: None = None) -> torch.Tensor:
-        """Logits after each prompt (B, V)."""
-        return self.stream.forward(tokens, valid, logits_to_keep=1)[:, -1]
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, reusable: None = None) -> Verification:
+        """Logits after each prompt (B, 1, V)."""
+        return self.stream.forward_features(tokens, valid, self.feature_layers, logits_to_keep=1)
 
-    def verify(self, inputs: torch.Tensor, valid: torch.Tensor, reusable: None = None) -> torch.Tensor:
+    def verify(self, inputs: torch.Tensor, valid: torch.Tensor, reusable: None = None) -> Verification:
         """Logits (B, Q, V) of the target over ``inputs`` (B, Q) on top of its cache."""
         q = inputs.shape[1]
         pad = self.widths.get(q, q) - q
         padded_valid = torch.nn.functional.pad(valid, (0, pad), value=False)
-        return self.stream.forward(torch.nn.functional.pad(inputs, (0, pad)), padded_valid)[:, :q]
+        out = self.stream.forward_features(torch.nn.functional.pad(inputs, (0, pad)), padded_valid, self.feature_layers)
+        return Verification(out.logits[:, :q], {i: h[:, :q] for i, h in out.hidden.items()})
 
     def rollback(self, keep: torch.Tensor) -> None:
         self.stream.rollback(keep)
 
     def select(self, rows: torch.Tensor) -> None:
         self.stream.select(rows)
+
+    def verify_tree(self, last: int, tree: Tree) -> Verification:
+        return verify_tree(self.stream, last, tree, self.feature_layers)
+
+    def commit_tree(self, tree: Tree, path: list[int]) -> None:
+        keep_target_path(self.stream, tree, path)
 
 
 def accept(

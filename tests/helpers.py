@@ -7,12 +7,9 @@ import math
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.masking_utils import create_causal_mask
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from draftsmith.specdec.decoder import speculative_generate
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.self_spec import run_layers
 
 
 def tiny_llama(
@@ -201,50 +198,3 @@ def assert_fits(target, params, *per_prompt) -> None:
     """Every position and pair of every prompt fits the target (z < 4)."""
     scores = sampled_fit(target, params, per_prompt)
     assert max(scores.values()) < 4, scores
-
-
-class ExitHead(torch.nn.Module):
-    """A test early-exit draft (``specdec.self_spec.EarlyExit``) over a ``tiny_llama`` target: the
-    target's first ``k`` layers (run by the decoder), then optionally an adapter (a copy of layer k
-    writing its own cache layer, index L), the target's final norm and LM head."""
-
-    def __init__(self, target: LlamaForCausalLM, k: int, adapter: bool = True):
-        super().__init__()
-        layers = target.config.num_hidden_layers
-        object.__setattr__(self, "target", target)  # shared, not a submodule
-        self.k = k
-        self.config = copy.deepcopy(target.config)
-        self.config.num_hidden_layers = layers + 1
-        self.adapter = copy.deepcopy(target.model.layers[k]) if adapter else None
-        if adapter:
-            self.adapter.self_attn.layer_idx = layers
-        self.device, self.dtype = target.device, target.dtype
-
-    def exit_logits(self, hidden, position_ids, cache, *, attention_mask=None, logits_to_keep=0, with_head=True):
-        if self.adapter is not None:
-            mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=hidden,
-                attention_mask=attention_mask,
-                cache=cache,
-                position_ids=position_ids,
-                layer_idx=self.adapter.self_attn.layer_idx,
-            )
-            rotary = self.target.model.rotary_emb(hidden, position_ids=position_ids)
-            hidden = self.adapter(
-                hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids, cache=cache
-            )
-        if not with_head:
-            return None
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        return self.target.lm_head(self.target.model.norm(hidden))
-
-    def forward(self, input_ids, position_ids, cache=None, attention_mask=None, logits_to_keep=0, **kwargs):
-        """As a standalone causal LM (decoding without KV reuse)."""
-        embeds = self.target.model.embed_tokens(input_ids)
-        hidden = run_layers(self.target, embeds, position_ids, cache, range(0, self.k), attention_mask)
-        logits = self.exit_logits(
-            hidden, position_ids, cache, attention_mask=attention_mask, logits_to_keep=logits_to_keep
-        )
-        return CausalLMOutputWithPast(logits=logits)

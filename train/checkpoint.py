@@ -9,7 +9,6 @@ place that decides what a usable checkpoint holds; resume, eval-run and publish 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import re
@@ -17,11 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from peft import PeftModel
-
-from draftsmith.distill.early_exit import META as EARLY_EXIT_META
-from draftsmith.distill.early_exit import WEIGHTS as EARLY_EXIT_WEIGHTS
-from draftsmith.distill.early_exit import EarlyExitDraft, is_early_exit
+from draftsmith.distill.drafts import kind_of_folder, kind_of_model
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import replace, write_text
 from draftsmith.train.config import DistillConfig
@@ -33,8 +28,10 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 def missing_files(folder: Path) -> list[str]:
     """What ``folder`` lacks to be a complete checkpoint: the draft's files, then the marker written last."""
-    model = (EARLY_EXIT_META, EARLY_EXIT_WEIGHTS) if is_early_exit(folder) else ("config.json", "model.safetensors")
-    return [name for name in (*model, MARKER) if not (folder / name).is_file()]
+    kind = kind_of_folder(folder)
+    if kind is None:
+        return ["config.json", MARKER]  # no draft of any kind: a standalone LM's config first
+    return [name for name in (*kind.files(), MARKER) if not (folder / name).is_file()]
 
 
 def is_complete(folder: Path) -> bool:
@@ -90,30 +87,20 @@ def commit(run_dir: Path, tmp: Path, name: str, info: dict, keep_last: int | Non
 
 
 def write_draft(model, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
-    """The draft as a Hugging Face model folder (a LoRA draft: its adapter, plus a merged copy).
-
-    ``state``: the full state dict when the model is sharded (FSDP), else None. An early-exit draft
-    is not a standalone model: its folder holds the exit head and a reference to the target and k.
-    """
-    if isinstance(model, EarlyExitDraft):
-        model.save(folder, target_name)
-        tokenizer.save_pretrained(folder)
-        return
-    if isinstance(model, PeftModel):
-        model.save_pretrained(folder / "adapter")
-        model, state = copy.deepcopy(model).merge_and_unload(), None
-    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    """The draft as its kind saves it (a standalone LM: a Hugging Face model folder; a LoRA draft: its
+    adapter plus a merged copy). ``state``: the full state dict when the model is sharded (FSDP), else None."""
+    kind_of_model(model).save(model, state, tokenizer, folder, target_name)
 
 
 # Settings that must match for a run folder to be resumed: they decide the model, the data and its order.
 RESUME_KEYS = (
     "target",
     "tiny_target",
+    "draft_kind",
     "draft_init",
     "draft_layers",
     "draft_config",
-    "early_exit_adapter",
+    "kind_options",
     "freeze_embeddings",
     "data",
     "dataset",

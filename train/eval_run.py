@@ -18,9 +18,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.distill.draft_init import load_draft
-from draftsmith.distill.early_exit import META as EARLY_EXIT_META
-from draftsmith.distill.early_exit import is_early_exit
+from draftsmith.distill.drafts import kind_of_folder, load_draft
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.evaluate import Baseline, measure_baseline, spread
@@ -99,7 +97,7 @@ def evaluate_run(
             if str(temp) in report["results"].get(name, {}):
                 continue
             draft = load_draft(str(folder), target, dev, torch_dtype)
-            if ranking and not is_early_exit(folder):
+            if ranking and kind_of_folder(folder).cuts_head:
                 draft = draft_vocab.SubsetHeadDraft(draft, ranking, eos)
             print(f"measuring {name} at temperature {temp}")
             key = architecture(folder, settings["dtype"], draft_vocab_size)
@@ -122,16 +120,13 @@ def check_settings(gammas: list[int], limit: int | None, max_new_tokens: int) ->
 
 
 def architecture(folder: Path, dtype: str, draft_vocab_size: int) -> str:
-    """What a draft's step time depends on, as a key: its model config (or early-exit layout), the dtype
+    """What a draft's step time depends on, as a key: its kind's label and saved config, the dtype
     and the head cut; not its weights, so ``initial/`` and the checkpoints of a run share it."""
-    meta = folder / (EARLY_EXIT_META if is_early_exit(folder) else "config.json")
-    config = {
-        k: v for k, v in json.loads(meta.read_text()).items() if k not in ("_name_or_path", "transformers_version")
-    }
+    label, saved = kind_of_folder(folder).architecture(folder)
+    config = {k: v for k, v in saved.items() if k not in ("_name_or_path", "transformers_version")}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
-    kind = "early-exit" if is_early_exit(folder) else config.get("model_type", "model")
     head = f"head {draft_vocab_size}" if draft_vocab_size else "full head"
-    return f"{kind} {digest}, {dtype}, {head}"
+    return f"{label} {digest}, {dtype}, {head}"
 
 
 @dataclass

@@ -6,17 +6,14 @@ Evaluation and publishing load a run's target from here too (``load_target``), w
 from __future__ import annotations
 
 import copy
-import difflib
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.distill.draft_init import add_lora, new_config_draft, truncate_target
-from draftsmith.distill.early_exit import EarlyExitDraft
+from draftsmith.distill.drafts import kind_named
 from draftsmith.distill.tiny import tiny_target
-from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.loading import check_compatible, load_model, load_tokenizer, resolve_dtype
-from draftsmith.train.config import DistillConfig
+from draftsmith.specdec.loading import load_model, load_tokenizer, resolve_dtype
+from draftsmith.train.config import DistillConfig, draft_settings
 
 
 def load_target(
@@ -33,10 +30,9 @@ def load_target(
 
 
 def teacher_dtype(cfg: DistillConfig, device: torch.device) -> torch.dtype:
-    """The dtype the frozen target runs in as teacher (early-exit drafts share its layers: float32)."""
-    if cfg.draft_init == "early_exit":
-        return torch.float32
-    return resolve_dtype(cfg.teacher_dtype, device)
+    """The dtype the frozen target runs in as teacher (the kind may keep float32: an early-exit draft
+    shares its layers)."""
+    return kind_named(cfg.draft_kind).teacher_dtype(draft_settings(cfg), resolve_dtype(cfg.teacher_dtype, device))
 
 
 def mixed_precision(cfg: DistillConfig, device: torch.device) -> str:
@@ -57,46 +53,9 @@ def build_models(cfg: DistillConfig, device: torch.device):
 
 
 def build_draft(cfg: DistillConfig, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device):
-    """The draft ``cfg.draft_init`` describes, in training mode, with only its trainable parameters requiring grad."""
-    if cfg.draft_init == "truncate":
-        draft = truncate_target(target, cfg.draft_layers)
-    elif cfg.draft_init == "early_exit":
-        draft = EarlyExitDraft(target, early_exit_layers(cfg.draft_layers), adapter=cfg.early_exit_adapter)
-        return draft.train()  # its shared layers, embeddings and head are the target's, frozen
-    elif cfg.draft_init == "config":
-        check_draft_config(target.config, cfg.draft_config)
-        draft = new_config_draft(target, cfg.draft_config)
-    else:
-        draft = load_model(cfg.draft_model, device, torch.float32)
-        check_compatible(tokenizer, load_tokenizer(cfg.draft_model), target.config.vocab_size, draft.config.vocab_size)
-    draft.requires_grad_(True).train()
-    if cfg.freeze_embeddings:
-        draft.get_input_embeddings().requires_grad_(False)
-        draft.get_output_embeddings().requires_grad_(False)
-    if cfg.lora_r:
-        draft = add_lora(draft, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules)
-    return draft
-
-
-def check_draft_config(target_config, overrides: dict) -> None:
-    """Refuse ``draft_config`` keys that the target's config class does not have (a typo would be ignored)."""
-    known = set(type(target_config)().to_dict()) | set(target_config.to_dict())
-    for key in overrides:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise DraftsmithError(
-                f"draft_config: {key!r} is not a field of {type(target_config).__name__}; {hint}"
-                "fix the key (nested keys are the target's config fields, e.g. num_hidden_layers)"
-            )
-
-
-def early_exit_layers(layers: str) -> int:
-    """k, the target layers an early-exit draft shares, from ``draft_layers``."""
-    try:
-        return int(layers)
-    except ValueError as err:
-        raise DraftsmithError(f"draft_init early_exit takes draft_layers as a layer count k, got {layers!r}") from err
+    """The draft ``cfg`` describes (its kind builds it), in training mode, with only its trainable
+    parameters requiring grad."""
+    return kind_named(cfg.draft_kind).build(draft_settings(cfg), target, tokenizer, device)
 
 
 def in_dtype_of(draft, target: PreTrainedModel):

@@ -1,7 +1,10 @@
 """A checkpoint written as a draft model folder that serving stacks load as is, with a model card.
 
 The folder is written beside its destination and renamed into place only after it reproduces the
-checkpoint's greedy output, so a published folder is always a complete, working draft.
+checkpoint's greedy output, so a published folder is always a complete, working draft. It ends with
+a marker (``.draftsmith-published``) listing the files publish wrote: ``--overwrite`` replaces a
+folder only when it holds that marker and nothing else, or is empty; a run, a checkpoint, a dataset,
+the source being published or any other folder of the user's is refused (``check_output_folder``).
 """
 
 from __future__ import annotations
@@ -15,16 +18,16 @@ from pathlib import Path
 import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from draftsmith.distill.early_exit import is_early_exit
+from draftsmith.distill.drafts import Serving, kind_of_folder
 from draftsmith.specdec import draft_vocab
-from draftsmith.specdec.decoder import target_generate
+from draftsmith.specdec.decoder import speculative_generate
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.files import atomic_path
-from draftsmith.specdec.hf_compare import configure_assistant
-from draftsmith.specdec.loading import check_compatible, load_model, load_tokenizer
+from draftsmith.specdec.files import atomic_path, check_writable
+from draftsmith.specdec.loading import check_compatible, load_tokenizer
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.train import checkpoint
-from draftsmith.train.config import DistillConfig, load_run_config
+from draftsmith.train.config import RUN_CONFIG, DistillConfig, load_run_config
 from draftsmith.train.models import load_target
 from draftsmith.train.speedup import BEST, REPORT
 
@@ -34,6 +37,8 @@ HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 # Their licenses, the card's default license field (a distilled draft carries its target's).
 LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0"}
 CHECK_PROMPTS = ["Write a haiku about the sea.", "What is 7 times 8?", "Name three colors."]
+PUBLISHED = ".draftsmith-published"  # written last into a published folder: the files publish wrote there
+DATASET_MANIFEST = "manifest.json"  # a `draftsmith data` folder (distill.dataset_builder.MANIFEST)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -46,13 +51,16 @@ def resolve_checkpoint(path: Path) -> Path:
                 "on the run again, or publish a checkpoint-*/ folder directly"
             )
         path = path / best
+    elif (path / RUN_CONFIG).is_file():
+        raise DraftsmithError(
+            f"{path} is a run folder with no ranking ({BEST}): run draftsmith eval-run {path} first, "
+            "or publish one of its checkpoint-*/ folders"
+        )
     if not path.is_dir():
         raise DraftsmithError(f"checkpoint not found: {path}")
-    if is_early_exit(path):
-        raise DraftsmithError(
-            f"{path} is an early-exit draft: it shares the target's layers and is not a standalone model, so "
-            "transformers and vLLM cannot load it as an assistant; evaluate it with draftsmith eval / eval-run"
-        )
+    kind = kind_of_folder(path)
+    if kind is not None:
+        kind.check_export(path)  # refuses a kind that cannot be published, saying why
     missing = checkpoint.missing_files(path)
     if missing:
         raise DraftsmithError(f"{path} is missing {', '.join(missing)}: not a complete draftsmith checkpoint")
@@ -67,44 +75,104 @@ def publish(
     repo_id: the hub repository the folder is going to (the card's usage names it; else ``out``).
     license: the card's license field (default: the built-in target's, else "other")."""
     ckpt = resolve_checkpoint(ckpt)
-    if out.exists() and not out.is_dir():
-        raise DraftsmithError(f"--out {out} is a file, not a folder: choose a folder path to write the draft to")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise DraftsmithError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    check_output_folder(out, {"the checkpoint being published": ckpt, "its run": ckpt.parent}, overwrite)
     run_dir = ckpt.parent
     cfg = load_run_config(run_dir)
     device = torch.device("cpu")
     target, target_tokenizer = load_target(cfg, device)
-    draft = load_model(str(ckpt), device, torch.float32)
+    kind = kind_of_folder(ckpt)
+    draft = kind.load(ckpt, target, device, torch.float32)
     tokenizer = load_tokenizer(str(ckpt))
     check_compatible(target_tokenizer, tokenizer, target.config.vocab_size, draft.config.vocab_size)
 
     measured = measured_settings(run_dir, ckpt)
-    # generate(assistant_model=draft) reads these from the draft's own generation config.
-    configure_assistant(draft.generation_config, measured["gamma"])
-    tree = measured_tree(run_dir, ckpt)
-    if tree is not None:
-        # draftsmith's decoder reads the tree shape that measured fastest from here (eval --draft FOLDER);
-        # transformers and vLLM ignore the section and draft the chain above.
-        draft.generation_config.draftsmith = {"tree": tree}
+    serving = Serving(gamma=measured["gamma"], tree=measured_tree(run_dir, ckpt))
     with atomic_path(out) as tmp:
-        draft.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        kind.export(draft, tokenizer, tmp, serving)
         if measured["draft_vocab"]:
             # The head cut the measurement used: eval on the published folder drafts with it too.
             ranking = draft_vocab.load_ranking(run_dir, measured["draft_vocab"])
             draft_vocab.save_ranking(tmp, ranking)
         card = model_card(cfg, ckpt, run_dir, draft_ref=repo_id or str(out.resolve()), license=license)
         card.save(tmp / "README.md")
-        # The written folder must behave exactly like the checkpoint: same greedy tokens.
+        # The written folder must draft exactly like the checkpoint: the same tokens accepted.
         prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in CHECK_PROMPTS]
-        reloaded = load_model(str(tmp), device, torch.float32)
-        expected, _ = target_generate(draft, prompts, 16)
-        got, _ = target_generate(reloaded, prompts, 16)
-        if got != expected:
-            raise DraftsmithError(f"the written folder does not reproduce {ckpt}'s greedy output; nothing published")
+        if drafted(target, kind.load(tmp, target, device, torch.float32), prompts) != drafted(target, draft, prompts):
+            raise DraftsmithError(f"the written folder does not draft as {ckpt} does; nothing published")
         readable_by_all(tmp)
+        write_marker(tmp, ckpt)
     return out
+
+
+def drafted(target, draft, prompts: list[list[int]], gamma: int = 3) -> list[tuple[int, int]]:
+    """(proposed, accepted) per prompt when ``draft`` drafts greedily for ``target``: a fingerprint of
+    the draft's predictions along the target's own text (which is the same for every draft)."""
+    counts = []
+    for prompt in prompts:
+        _, stats = speculative_generate(target, draft, [prompt], 16, options=DecodeOptions(gamma=gamma, compile=False))
+        counts.append((stats.proposed, stats.accepted))
+    return counts
+
+
+def check_output_folder(out: Path, sources: dict[str, Path], overwrite: bool, name: str | None = None) -> None:
+    """Refuse an output folder whose replacement would lose work, before anything loads.
+
+    sources: what is being published, by how the message names it (the checkpoint, its run): the
+    folder may neither be one of them, hold one, nor lie inside one. A run, a checkpoint or a
+    dataset is refused with or without ``overwrite``; a non-empty folder only with ``overwrite`` and
+    only when publish wrote everything in it (its marker lists the files); an empty or new folder always.
+    name: how messages name the folder (default ``--out OUT``).
+    """
+    out = Path(out)
+    name = name or f"--out {out}"
+    check_writable(out, name, folder=True)
+    if out.is_symlink():
+        raise DraftsmithError(f"{name} is a symbolic link; give the folder it points to, or a new folder")
+    real = out.resolve()
+    for label, source in sources.items():
+        source = Path(source).resolve()
+        if real == source:
+            where = "is"
+        elif real in source.parents:
+            where = "holds"
+        elif source in real.parents:
+            where = "lies inside"
+        else:
+            continue
+        raise DraftsmithError(f"{name} {where} {label} ({source}); write the draft to a new folder outside the run")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    for marker, kind in (
+        (RUN_CONFIG, "a distillation run"),
+        (checkpoint.MARKER, "a checkpoint"),
+        (DATASET_MANIFEST, "a dataset"),
+    ):
+        if (out / marker).is_file():
+            raise DraftsmithError(
+                f"{name} is {kind} (it has {marker}); publish never replaces one: choose a new folder"
+            )
+    if not (out / PUBLISHED).is_file():
+        raise DraftsmithError(
+            f"{name} is not empty and was not written by draftsmith publish; choose a new or empty folder"
+        )
+    if not overwrite:
+        raise DraftsmithError(f"{out} exists and is not empty; pass --overwrite to replace it (a published draft)")
+    written = set(json.loads((out / PUBLISHED).read_text())["files"]) | {PUBLISHED}
+    added = sorted(
+        str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and str(p.relative_to(out)) not in written
+    )
+    if added:
+        raise DraftsmithError(
+            f"--overwrite replaces only what publish wrote, and {out} also holds {added[0]}"
+            f"{f' and {len(added) - 1} more' if len(added) > 1 else ''}; move it out first"
+        )
+
+
+def write_marker(folder: Path, ckpt: Path) -> None:
+    """The last file of a published folder: which checkpoint it is and every file publish wrote."""
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    (folder / PUBLISHED).write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "files": files}, indent=2) + "\n")
+    os.chmod(folder / PUBLISHED, 0o644)
 
 
 def readable_by_all(folder: Path) -> None:
@@ -304,7 +372,7 @@ def push(folder: Path, repo_id: str, private: bool) -> None:
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        api.upload_folder(folder_path=str(folder), repo_id=repo_id)
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, ignore_patterns=[PUBLISHED])
     except Exception as err:  # network and permission errors come in many types
         raise DraftsmithError(f"upload to {repo_id} failed: {err}; the local folder {folder} is written") from err
     print(f"uploaded to https://huggingface.co/{repo_id}")

@@ -12,7 +12,7 @@ import torch
 
 from draftsmith import eval as eval_command
 from draftsmith.cli import main
-from draftsmith.distill.draft_init import truncate_target
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
 from draftsmith.specdec.vllm_server import ENGINE_VARIABLE
 from draftsmith.train.checkpoint import begin, commit, write_draft

@@ -179,7 +179,7 @@ def test_early_exit_draft_trains_evaluates_with_kv_reuse_and_is_not_published(tm
         TINY,
         [
             f"output_dir={tmp_path / 'ee'}",
-            "draft_init=early_exit",
+            "draft_kind=early_exit",
             "draft_layers=2",
             "max_steps=4",
             "save_steps=4",

@@ -15,7 +15,8 @@ from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.stream import ModelStream, decoding_threads
 from draftsmith.specdec.tree import TreeShape
-from tests.helpers import ExitHead, noisy_copy, tiny_llama
+from draftsmith.distill.drafts.early_exit import EarlyExitDraft
+from tests.helpers import noisy_copy, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_exact_attention_leaves_a_static_cache_to_sdpa_and_stays_correct():
 
 def test_bfloat16_self_speculative_output_is_the_targets(wide_pair):
     target, _ = wide_pair
-    draft = ExitHead(target, 3, adapter=False)
+    draft = EarlyExitDraft(target, 3, adapter=False)
     for seed, length in enumerate((9, 50)):
         prompt = _tokens(length, 20 + seed)[0].tolist()
         want, _ = target_generate(target, [prompt], 60)

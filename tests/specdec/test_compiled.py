@@ -14,7 +14,8 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt
 from draftsmith.specdec.stream import ModelStream
 from draftsmith.specdec.tree import TreeShape
-from tests.helpers import ExitHead, noisy_copy, tiny_llama, tiny_tokenizer
+from draftsmith.distill.drafts.early_exit import EarlyExitDraft
+from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
 
 PROMPTS = [[0, 5, 7, 9], [0, 3], [0, 8, 8, 8, 8, 8, 2, 11, 4]]
 
@@ -109,15 +110,15 @@ def test_compiled_is_the_default_on_cuda_only(target):
     draft = noisy_copy(target, noise=0.3)
     assert decodes_compiled(target, draft, DecodeOptions()) == (target.device.type == "cuda")
     assert decodes_compiled(target, draft, DecodeOptions(compile=False)) is False
-    assert decodes_compiled(target, ExitHead(target, k=1), DecodeOptions()) is False  # shares the target's cache
-    assert decodes_compiled(target, ExitHead(target, k=1), DecodeOptions(kv_reuse=False, compile=True)) is True
+    assert decodes_compiled(target, EarlyExitDraft(target, k=1), DecodeOptions()) is False  # shares the target's cache
+    assert decodes_compiled(target, EarlyExitDraft(target, k=1), DecodeOptions(kv_reuse=False, compile=True)) is True
 
 
 def test_where_decoding_stays_eager_compiling_is_refused_in_one_line(target):
     with pytest.raises(DraftsmithError, match=r"token trees decode eager; leave out compile \(--no-compile\)"):
         DecodeOptions(compile=True, tree=TreeShape.parse("2,1"))
     with pytest.raises(DraftsmithError, match="an early-exit draft sharing the target's cache decodes eager"):
-        speculative_generate(target, ExitHead(target, k=1), [[0, 5]], 4, options=DecodeOptions(compile=True))
+        speculative_generate(target, EarlyExitDraft(target, k=1), [[0, 5]], 4, options=DecodeOptions(compile=True))
 
 
 def test_bfloat16_on_a_cpu_decodes_eager_to_stay_row_exact():

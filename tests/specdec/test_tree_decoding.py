@@ -20,7 +20,8 @@ from draftsmith.specdec.sampling import SamplingParams, choose_token
 from draftsmith.specdec.stream import ModelStream
 from draftsmith.specdec.tree import TreeShape, accept_tree_sampled
 from draftsmith.specdec.verify import TargetVerifier
-from tests.helpers import ExitHead, fit_scores, noisy_copy, target_conditionals, tiny_llama
+from draftsmith.distill.drafts.early_exit import EarlyExitDraft
+from tests.helpers import fit_scores, noisy_copy, target_conditionals, tiny_llama
 
 PROMPTS = ([0, 5, 9], [0, 3, 3, 7, 2, 11, 4, 8], [0, 17] * 9)
 SHAPES = ("3,2,1,1", "2,2,2", "1,1,1,1", "3,2,2,1:10", "4,2,2:6")
@@ -105,14 +106,16 @@ def test_after_a_commit_both_caches_equal_a_fresh_prefill_of_the_accepted_sequen
     sequence = list(PROMPTS[1])
     x = torch.tensor([sequence])
     drafter.prefill(x, torch.ones_like(x, dtype=torch.bool))
-    sequence.append(int(choose_token(verifier.prefill(x, torch.ones_like(x, dtype=torch.bool)), SamplingParams())))
+    prefilled = verifier.prefill(x, torch.ones_like(x, dtype=torch.bool)).logits[:, -1]
+    sequence.append(int(choose_token(prefilled, SamplingParams())))
     paths = []
     with torch.inference_mode():
         for _ in range(4):
-            tree = tree_drafting.draft_tree(drafter.stream, sequence, TreeShape.parse(shape), max_depth=4)
-            logits = tree_drafting.verify_tree(verifier.stream, last=sequence[-1], tree=tree)
+            tree = drafter.propose_tree(sequence, TreeShape.parse(shape), max_depth=4)
+            logits = verifier.verify_tree(sequence[-1], tree).logits[0]
             path, token = tree_drafting.accept_tree(tree, logits, SamplingParams(), None)
-            tree_drafting.commit_tree(verifier.stream, drafter.stream, tree, path)
+            verifier.commit_tree(tree, path)
+            drafter.commit_tree(tree, path)
             drafter_read = len(sequence) + len([n for n in path if n in tree.slots])
             sequence += [tree.tokens[n] for n in path] + [token]
             paths.append(len(path))
@@ -126,7 +129,7 @@ def test_bad_tree_settings_are_clear_errors(pair):
     with pytest.raises(DraftsmithError, match="one prompt at a time"):
         speculative_generate(target, draft, [[0, 4], [0, 5]], 4, options=_tree("2,1"))
     with pytest.raises(DraftsmithError, match="standalone draft"):
-        speculative_generate(target, ExitHead(target, 1), [[0, 4]], 4, options=_tree("2,1"))
+        speculative_generate(target, EarlyExitDraft(target, 1), [[0, 4]], 4, options=_tree("2,1"))
     with pytest.raises(DraftsmithError, match="tree must be a TreeShape"):
         DecodeOptions(tree="3,2,1")
     with pytest.raises(DraftsmithError, match="--tree takes"):
@@ -137,7 +140,7 @@ def test_an_early_exit_draft_without_kv_reuse_drafts_trees(pair):
     target, _ = pair
     want, _ = target_generate(target, [PROMPTS[1]], 20)
     got, stats = speculative_generate(
-        target, ExitHead(target, 1), [PROMPTS[1]], 20, options=_tree("2,2,1", kv_reuse=False)
+        target, EarlyExitDraft(target, 1), [PROMPTS[1]], 20, options=_tree("2,2,1", kv_reuse=False)
     )
     assert got == want
     assert stats.accepted > 0

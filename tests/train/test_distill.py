@@ -119,7 +119,7 @@ def test_incomplete_checkpoint_is_skipped(tmp_path, capsys):
         (["lr=-1"], "lr must be > 0"),
         (["dataset=./missing.jsonl"], "data file not found: ./missing.jsonl"),
         (["teacher_dtype=half"], "teacher_dtype must be auto, float32, bfloat16 or float16"),
-        (["draft_init=early_exit", "teacher_dtype=bfloat16"], "early_exit drafts share the target's layers"),
+        (["draft_kind=early_exit", "teacher_dtype=bfloat16"], "early_exit drafts share the target's layers"),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path, capsys, args, message):
@@ -299,7 +299,7 @@ def test_auto_precision_follows_native_bfloat16(tmp_path, monkeypatch, native):
     assert models.teacher_dtype(cfg, cpu) == (torch.bfloat16 if native else torch.float32)
     assert models.mixed_precision(cfg, cpu) == ("bf16" if native else "no")
     assert models.mixed_precision(tiny_cfg(tmp_path, mixed_precision="no"), cpu) == "no"
-    early_exit = tiny_cfg(tmp_path, teacher_dtype="auto", draft_init="early_exit")
+    early_exit = tiny_cfg(tmp_path, teacher_dtype="auto", draft_kind="early_exit")
     assert models.teacher_dtype(early_exit, cpu) == torch.float32  # its shared layers are the target's
 
 

@@ -115,7 +115,7 @@ def test_cut_with_a_full_teacher_cache_trains_as_with_the_live_teacher(tmp_path)
     ("overrides", "message"),
     [
         ({"train_draft_vocab": -1}, "train_draft_vocab must be >= 0"),
-        ({"train_draft_vocab": 8, "draft_init": "early_exit"}, "early_exit drafts share the target's head"),
+        ({"train_draft_vocab": 8, "draft_kind": "early_exit"}, "early_exit drafts share the target's head"),
     ],
 )
 def test_bad_train_draft_vocab_is_refused(tmp_path, overrides, message):

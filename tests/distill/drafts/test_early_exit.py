@@ -1,19 +1,18 @@
-"""Self-speculative decoding with KV reuse (an early-exit draft sharing the target's cache) is exact.
-
-The draft is ``helpers.ExitHead``, a test implementation of ``self_spec.EarlyExit``: the target's
-first k layers, an adapter layer writing its own cache layer, and the target's norm and head.
-"""
+"""The early-exit kind: self-speculative decoding with KV reuse (the draft shares the target's
+cache and its first k layers) is exact, with and without the adapter layer, and equals the same
+draft decoded standalone."""
 
 import pytest
 import torch
 
+from draftsmith.distill.drafts.early_exit import EarlyExitDraft, shared_layers_pair
 from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.drafters import PairedDraft
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams
-from draftsmith.specdec.self_spec import EarlyExit, shared_layers_pair
 from draftsmith.specdec.verify import verification_inputs
-from tests.helpers import FIT_TOKENS, SAMPLING_PROMPTS, ExitHead, assert_fits, tiny_llama
+from tests.helpers import FIT_TOKENS, SAMPLING_PROMPTS, assert_fits, tiny_llama
 
 PROMPTS = [[0, 5, 7, 9], [0, 3], [0, 8, 8, 8, 8, 8, 2, 11, 4]]
 
@@ -23,15 +22,15 @@ def target():
     return tiny_llama(vocab=32, layers=4, sharpness=8.0)
 
 
-def test_the_test_draft_is_an_early_exit_draft(target):
-    assert isinstance(ExitHead(target, 2), EarlyExit)
-    assert not isinstance(target, EarlyExit)  # a plain causal LM decodes standalone
+def test_the_early_exit_draft_builds_its_own_decoding_pair(target):
+    assert isinstance(EarlyExitDraft(target, 2), PairedDraft)
+    assert not isinstance(target, PairedDraft)  # a plain causal LM decodes standalone
 
 
 @pytest.mark.parametrize("adapter", [True, False])
 @pytest.mark.parametrize("gamma", [1, 3, 7])
 def test_greedy_identical_to_target_and_to_the_standalone_path(target, gamma, adapter):
-    draft = ExitHead(target, 2, adapter=adapter)
+    draft = EarlyExitDraft(target, 2, adapter=adapter)
     proposed = accepted = 0
     for prompt in PROMPTS:
         ref = target_generate(target, [prompt], 25)[0]
@@ -47,7 +46,7 @@ def test_greedy_identical_to_target_and_to_the_standalone_path(target, gamma, ad
 
 
 def test_padded_verification_with_kv_reuse_is_exact(target):
-    draft = ExitHead(target, 2)
+    draft = EarlyExitDraft(target, 2)
     for prompt in PROMPTS:
         ref = target_generate(target, [prompt], 25)[0]
         plain, plain_stats = speculative_generate(target, draft, [prompt], 25, options=DecodeOptions(gamma=3))
@@ -60,7 +59,7 @@ def test_padded_verification_with_kv_reuse_is_exact(target):
 
 
 def test_eos_and_short_budgets(target):
-    draft = ExitHead(target, 3)
+    draft = EarlyExitDraft(target, 3)
     full = target_generate(target, [PROMPTS[0]], 20)[0][0]
     eos = full[6]
     out, _ = speculative_generate(target, draft, [PROMPTS[0]], 20, options=DecodeOptions(gamma=7), eos_ids={eos})
@@ -71,19 +70,19 @@ def test_eos_and_short_budgets(target):
 
 
 def test_refuses_what_a_shared_cache_cannot_do(target):
-    draft = ExitHead(target, 2)
+    draft = EarlyExitDraft(target, 2)
     with pytest.raises(DraftsmithError, match="one sequence at a time; use --batch-size 1 or --no-kv-reuse"):
         speculative_generate(target, draft, PROMPTS[:2], 5)
     with pytest.raises(DraftsmithError, match="KV reuse uses the slot cache"):
         speculative_generate(target, draft, PROMPTS[:1], 5, options=DecodeOptions(cache_kind="static"))
-    with pytest.raises(DraftsmithError, match="shares 1..3 of the target's layers, not 4"):
-        speculative_generate(target, ExitHead(target, 4, adapter=False), PROMPTS[:1], 5)
+    with pytest.raises(DraftsmithError, match="needs 1 <= k < 4 target layers, got 4"):
+        EarlyExitDraft(target, 4, adapter=False)
     batched, _ = speculative_generate(target, draft, PROMPTS[:2], 5, options=DecodeOptions(kv_reuse=False))
     assert batched == target_generate(target, PROMPTS[:2], 5)[0]
 
 
 def test_verification_runs_only_the_upper_layers_and_gives_the_targets_logits(target):
-    draft, prompt, gamma = ExitHead(target, 3), torch.tensor([PROMPTS[2]]), 3
+    draft, prompt, gamma = EarlyExitDraft(target, 3), torch.tensor([PROMPTS[2]]), 3
     verifier, drafter = shared_layers_pair(target, draft, 1, 64, DecodeOptions(gamma=gamma))
     rows = {}  # decoder layer index -> token rows it ran during verification
     hooks = [
@@ -97,7 +96,7 @@ def test_verification_runs_only_the_upper_layers_and_gives_the_targets_logits(ta
         )
         rows.clear()
         inputs, valid = verification_inputs(torch.tensor([5]), proposal)
-        logits = verifier.verify(inputs, valid, proposal.reusable)
+        logits = verifier.verify(inputs, valid, proposal.reusable).logits
         for hook in hooks:
             hook.remove()
         full = target(input_ids=torch.cat([prompt, inputs], 1)).logits[:, -(gamma + 1) :]
@@ -107,7 +106,7 @@ def test_verification_runs_only_the_upper_layers_and_gives_the_targets_logits(ta
 
 def test_sampling_matches_the_target():
     small = tiny_llama(vocab=12, layers=3, sharpness=3.0, seed=0)
-    draft = ExitHead(small, 1)
+    draft = EarlyExitDraft(small, 1)
     params = SamplingParams(temperature=1.0, top_k=8)
     options = DecodeOptions(gamma=3, sampling=params)
     generator = torch.Generator().manual_seed(0)
