@@ -20,12 +20,13 @@ from common import PROMPTS, default_target, save
 from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.compiled import CompiledStream, compile_mode
-from draftsmith.specdec.evaluate import evaluate_pair
 from draftsmith.specdec.loading import resolve_dtype
+from draftsmith.specdec.measure.clock import Clock
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 from draftsmith.specdec.stream import ModelStream
-from draftsmith.specdec.timing import Clock
 
 MODES = ("eager", "compiled")
 
@@ -96,12 +97,14 @@ def end_to_end(target, draft, tokenizer, eos, prompts, gamma: int, max_new_token
             target,
             draft,
             tokenizer,
-            prompts,
-            options=DecodeOptions(gamma=gamma, compile=mode == "compiled"),
-            max_new_tokens=max_new_tokens,
-            eos_ids=eos,
-            repeats=repeats,
-            progress=False,
+            MeasureSettings(
+                prompts,
+                options=DecodeOptions(gamma=gamma, compile=mode == "compiled"),
+                max_new_tokens=max_new_tokens,
+                eos_ids=eos,
+                repeats=repeats,
+                progress=False,
+            ),
         )
         result[mode] = {key: report[key] for key in keys}
     return result

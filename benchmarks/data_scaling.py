@@ -34,8 +34,9 @@ from draftsmith.distill import dataset_builder
 from draftsmith.distill.drafts import load_draft
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.draft_vocab import SubsetHeadDraft
-from draftsmith.specdec.evaluate import evaluate_pair
 from draftsmith.specdec.loading import eos_token_ids, load_model, load_tokenizer
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.train import checkpoint
@@ -121,12 +122,14 @@ def measure(target, tokenizer, draft, prompts, args) -> dict:
             target,
             draft,
             tokenizer,
-            prompts,
-            options=DecodeOptions(gamma=gamma),
-            max_new_tokens=args.max_new_tokens,
-            eos_ids=eos,
-            repeats=args.repeats,
-            progress=not args.quiet,
+            MeasureSettings(
+                prompts,
+                options=DecodeOptions(gamma=gamma),
+                max_new_tokens=args.max_new_tokens,
+                eos_ids=eos,
+                repeats=args.repeats,
+                progress=not args.quiet,
+            ),
         )
         keys = ("acceptance_rate", "mean_accepted_tokens", "cost_ratio_c", "speedup", "speedup_spread", "greedy_match")
         out[str(gamma)] = {k: report[k] for k in keys}

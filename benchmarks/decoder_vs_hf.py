@@ -19,9 +19,10 @@ from common import default_target, median, prompt_ids, save, timed
 
 from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
-from draftsmith.specdec.evaluate import predicted_speedup, step_costs, sum_stats
-from draftsmith.specdec.hf_compare import configure_assistant, hf_generate
 from draftsmith.specdec.loading import resolve_dtype
+from draftsmith.specdec.measure.costs import step_costs, sum_stats
+from draftsmith.specdec.measure.hf_compare import configure_assistant, hf_generate
+from draftsmith.specdec.measure.theory import predicted_speedup
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams
 

@@ -18,7 +18,8 @@ import torch
 from common import PROMPTS, default_target, save
 
 from draftsmith.distill.drafts import load_draft
-from draftsmith.specdec.evaluate import evaluate_pair
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 
@@ -47,12 +48,14 @@ def main() -> None:
             target,
             draft,
             tokenizer,
-            prompts,
-            options=DecodeOptions(gamma=args.gamma, kv_reuse=kv_reuse),
-            max_new_tokens=args.max_new_tokens,
-            eos_ids=eos,
-            repeats=args.repeats,
-            progress=False,
+            MeasureSettings(
+                prompts,
+                options=DecodeOptions(gamma=args.gamma, kv_reuse=kv_reuse),
+                max_new_tokens=args.max_new_tokens,
+                eos_ids=eos,
+                repeats=args.repeats,
+                progress=False,
+            ),
         )
         result[name] = {
             k: r[k]

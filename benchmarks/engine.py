@@ -2,9 +2,9 @@
 
 For the default target and a draft (a model folder; default: the target's first 2 layers, untrained,
 saved to a temporary folder), at each gamma and batch size:
-- vLLM: the target alone vs the target with the draft (``vllm_measure.measure_engine_pair``), two
+- vLLM: the target alone vs the target with the draft (``measure.vllm_pair.measure_engine_pair``), two
   servers side by side, float32, eager (no torch.compile warm-up);
-- the bundled decoder: ``evaluate.evaluate_pair`` on the same prompts, its measured speedup and the
+- the bundled decoder: ``measure.pair.evaluate_pair`` on the same prompts, its measured speedup and the
   speedup predicted from its alpha, c and v.
 Then the target as its own draft (gamma 3, batch 1), where both must accept 100 %. Prompts are the
 held-out evaluation prompts, repeated in order up to the largest batch size. Greedy decoding. Both
@@ -41,14 +41,15 @@ from common import PROMPTS, default_target, save
 from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.distill.engines import BundledEngine, VllmEngine
 from draftsmith.distill.self_prompts import derived_seed
-from draftsmith.specdec.evaluate import evaluate_pair
 from draftsmith.specdec.loading import DEFAULT_TARGET, cpu_has_native_bfloat16, load_model
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.vllm_pair import measure_engine_pair
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.vllm_client import served_model
-from draftsmith.specdec.vllm_measure import measure_engine_pair
-from draftsmith.specdec.vllm_server import serve
+from draftsmith.specdec.vllm_server import ServeOptions, serve
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -79,13 +80,15 @@ def bundled_row(target, draft, tokenizer, eos, prompts, gamma: int, batch_size: 
         target,
         draft,
         tokenizer,
-        prompts,
-        options=DecodeOptions(gamma=gamma),
-        max_new_tokens=args.max_new_tokens,
-        eos_ids=eos,
-        repeats=args.repeats,
-        batch_size=batch_size,
-        progress=False,
+        MeasureSettings(
+            prompts,
+            options=DecodeOptions(gamma=gamma),
+            max_new_tokens=args.max_new_tokens,
+            eos_ids=eos,
+            repeats=args.repeats,
+            batch_size=batch_size,
+            progress=False,
+        ),
     )
     keys = ("acceptance_rate", "mean_accepted_tokens", "target_tokens_per_s", "spec_tokens_per_s", "speedup")
     keys += ("predicted_speedup", "cost_ratio_c", "verify_ratio_v", "greedy_match", "speedup_per_repeat")
@@ -133,8 +136,8 @@ def data_generation(target, tokenizer, eos, threads: int, args) -> dict:
     prompts = [encode_chat(tokenizer, r.turns[0]) for r in records[: args.data_prompts]]
     ours = generation_rate(BundledEngine(target, args.data_batch_size), prompts, args.data_max_new_tokens, eos)
     print(f"data generation, bundled decoder: {ours['tokens_per_s']:.1f} tokens/s")
-    options = {"dtype": "float32", "eager": not args.compile, "threads": threads, "prefix_caching": True}
-    with serve(DEFAULT_TARGET, **options) as server:
+    options = ServeOptions(dtype="float32", eager=not args.compile, threads=threads, prefix_caching=True)
+    with serve(DEFAULT_TARGET, options) as server:
         engine = VllmEngine(server, served_model(server)["max_model_len"], args.data_batch_size)
         theirs = generation_rate(engine, prompts, args.data_max_new_tokens, eos)
         settings = {key: server.settings[key] for key in ("eager", "prefix_caching", "environment", "command")}
@@ -215,14 +218,16 @@ def main() -> None:
             print(f"bundled gamma={row['gamma']} batch={row['batch_size']}: speedup {row['bundled']['speedup']:.2f}")
         self_bundled = bundled_row(target, target, tokenizer, eos, chosen(1), 3, 1, args)
         ids = {size: [encode_chat(tokenizer, p.turns[0]) for p in chosen(size)] for size in sizes}
-        options = {"dtype": "float32", "eager": not args.compile, "kv_cache_gib": 2, "threads": threads}
-        with serve(DEFAULT_TARGET, **options) as baseline:
+        options = ServeOptions(dtype="float32", eager=not args.compile, kv_cache_gib=2, threads=threads)
+        draft_config = {"method": "draft_model", "model": draft_folder}
+        with serve(DEFAULT_TARGET, options) as baseline:
             for gamma in gammas:
-                with serve(DEFAULT_TARGET, draft=draft_folder, gamma=gamma, **options) as speculative:
+                with serve(DEFAULT_TARGET, options, speculative=draft_config, gamma=gamma) as speculative:
                     for row in (r for r in rows if r["gamma"] == gamma):
                         row["vllm"] = engine_row(baseline, speculative, ids[row["batch_size"]], row["batch_size"], args)
                         print(f"vLLM gamma={gamma} batch={row['batch_size']}: speedup {row['vllm']['speedup']:.2f}")
-            with serve(DEFAULT_TARGET, draft=DEFAULT_TARGET, gamma=3, **options) as speculative:
+            self_config = {"method": "draft_model", "model": DEFAULT_TARGET}
+            with serve(DEFAULT_TARGET, options, speculative=self_config, gamma=3) as speculative:
                 self_engine = engine_row(baseline, speculative, ids[1], 1, args)
             server = baseline.settings
     facts["load_average_at_end"] = os.getloadavg()

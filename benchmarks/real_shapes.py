@@ -7,7 +7,7 @@ Random weights give near-uniform distributions: a truncated draft is then accept
 chance, while the target drafting for itself is accepted always, so the two bound what a trained
 draft does. Greedy decoding, one sequence, the two decoders interleaved prompt by prompt after a
 warm-up (in compiled mode the warm-up compiles and captures every graph; its seconds are printed
-apart). Figures as ``draftsmith eval`` computes them (``evaluate.pair_metrics``).
+apart). Figures as ``draftsmith eval`` computes them (``measure.figures.pair_metrics``).
 
 Run: python benchmarks/real_shapes.py [--device cuda] [--dtype bfloat16] [--shapes 1b,8b]
 """
@@ -23,8 +23,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.decoder import speculative_generate, target_generate
-from draftsmith.specdec.evaluate import Tally, pair_metrics
 from draftsmith.specdec.loading import resolve_dtype
+from draftsmith.specdec.measure.figures import pair_metrics
+from draftsmith.specdec.measure.tally import Tally
 from draftsmith.specdec.options import DecodeOptions
 
 # The shapes of Llama 3.2 1B and Llama 3.1 8B (their vocabulary, grouped-query attention, RoPE base).

@@ -1,7 +1,7 @@
 """``--engine vllm`` for ``draftsmith eval`` and ``eval-run``: the pair measured in vLLM beside the bundled decoder.
 
 Both commands parse their usual options plus these; ``engine_report`` runs the comparison
-(``specdec.engine_compare``) for one loaded (target, draft) pair and returns its report. ``eval``
+(``specdec.measure.engine_compare``) for one loaded (target, draft) pair and returns its report. ``eval``
 compares its pair; ``eval-run`` first measures the run as usual, then compares its best draft at
 the best gamma and adds the comparison to the run's speedup report.
 """
@@ -16,16 +16,17 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.distill.draft_init import engine_draft_folder, load_draft
+from draftsmith.distill.drafts import engine_draft_folder, kind_of_folder, kind_of_model, load_draft
 from draftsmith.options import check_engine_options, engine_options, parse_list
-from draftsmith.specdec.engine_compare import compare_with_engine, format_comparison
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dtype
+from draftsmith.specdec.measure.engine_compare import compare_with_engine, format_comparison
+from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.prompts import Prompt, read_prompts
+from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
-from draftsmith.specdec.vllm_server import find_engine
+from draftsmith.specdec.vllm_server import ServeOptions, find_engine
 from draftsmith.train import speedup
 from draftsmith.train.config import load_run_config
 from draftsmith.train.models import load_target
@@ -73,59 +74,57 @@ def engine_report(
     target,
     draft: torch.nn.Module,
     tokenizer,
-    prompts: list[Prompt],
+    settings: MeasureSettings,
     *,
     target_spec: str,
     draft_spec: str,
-    options: DecodeOptions,
-    eos_ids: frozenset[int],
-    dtype: torch.dtype,
     batch_sizes: list[int],
-    seed: int,
-    progress: bool,
 ) -> dict:
     """The (target, draft) pair in vLLM and in the bundled decoder (full draft head in both), as a report.
 
-    target_spec, draft_spec: the pair as the command names it (a model folder, alias, ``self``,
-    ``truncate:N``); vLLM loads the same models.
+    settings: what both engines measure (batch size aside: each of ``batch_sizes``). target_spec,
+    draft_spec: the pair as the command names it (a model folder, alias, ``self``, ``truncate:N``);
+    vLLM loads the same models.
     """
     notes = []
+    options = settings.options
     if options.tree is not None:
         notes.append(f"chains of {options.gamma} draft tokens, not the tree {options.tree}: vLLM drafts chains")
-        options = dataclasses.replace(options, tree=None)
+        settings = dataclasses.replace(settings, options=dataclasses.replace(options, tree=None))
     if args.draft_vocab:
         notes.append(
             f"the draft's head is not cut to its {args.draft_vocab} most frequent tokens here: vLLM drafts with the "
             "full head, so both engines do"
         )
-    serve_options = {
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": str(target.device),
-        "threads": args.engine_threads,
-        "eager": args.engine_eager,
-        "kv_cache_gib": args.engine_kv_cache_gib,
-        "seed": seed,
-    }
+    serve_options = ServeOptions(
+        dtype=str(target.dtype).removeprefix("torch."),  # as the bundled decoder runs it
+        device=str(target.device),
+        threads=args.engine_threads,
+        eager=args.engine_eager,
+        kv_cache_gib=args.engine_kv_cache_gib,
+        seed=settings.seed,
+    )
     with tempfile.TemporaryDirectory(prefix="draftsmith-engine-draft-") as scratch:
-        folder = engine_draft_folder(draft_spec, target_spec, draft, tokenizer, Path(scratch))
         report = compare_with_engine(
             target,
             draft,
             tokenizer,
-            prompts,
+            settings,
             target_spec=target_spec,
-            draft_folder=folder,
-            options=options,
-            max_new_tokens=args.max_new_tokens,
-            eos_ids=eos_ids,
+            speculative=speculative_config(draft_spec, target_spec, draft, tokenizer, Path(scratch)),
             batch_sizes=batch_sizes,
-            repeats=args.repeats,
-            seed=seed,
             serve_options=serve_options,
-            progress=progress,
         )
-    report.update(target=target_spec, draft=draft_spec, dtype=serve_options["dtype"], notes=notes)
+    report.update(target=target_spec, draft=draft_spec, dtype=serve_options.dtype, notes=notes)
     return report
+
+
+def speculative_config(draft_spec: str, target_spec: str, draft: torch.nn.Module, tokenizer, scratch: Path) -> dict:
+    """vLLM's speculative config of the draft ``draft_spec``, as its kind gives it, for a folder the
+    engine loads (a draft no folder holds yet, such as ``truncate:N``, is exported into ``scratch``)."""
+    folder = Path(engine_draft_folder(draft_spec, target_spec, draft, tokenizer, scratch))
+    kind = kind_of_folder(folder) if folder.is_dir() else None
+    return (kind or kind_of_model(draft)).engine_config(folder)
 
 
 def show_engine_report(report: dict, json_out: str | None) -> int:
@@ -154,20 +153,25 @@ def engine_run_report(run_dir: Path, report: dict, args: argparse.Namespace, bat
     dtype = resolve_dtype(args.dtype, device)
     target, tokenizer = load_target(cfg, device, dtype)
     folder = str(run_dir / best)
+    settings = MeasureSettings(
+        read_prompts(args.prompts)[: args.limit],
+        options=DecodeOptions(gamma=measured["best_gamma"], sampling=SamplingParams(temperature)),
+        max_new_tokens=args.max_new_tokens,
+        eos_ids=eos_token_ids(target, tokenizer),
+        seed=cfg.seed,
+        repeats=args.repeats,
+        progress=not args.no_progress,
+    )
+    draft = load_draft(folder, target, device, dtype)
     comparison = engine_report(
         args,
         target,
-        load_draft(folder, target, device, dtype),
+        draft,
         tokenizer,
-        read_prompts(args.prompts)[: args.limit],
+        settings,
         target_spec=cfg.target,
         draft_spec=folder,
-        options=DecodeOptions(gamma=measured["best_gamma"], sampling=SamplingParams(temperature)),
-        eos_ids=eos_token_ids(target, tokenizer),
-        dtype=dtype,
         batch_sizes=batch_sizes,
-        seed=cfg.seed,
-        progress=not args.no_progress,
     )
     report["engine"] = {"checkpoint": best, **comparison}
     speedup.write_report(run_dir, report)  # speedup_report.json carries it

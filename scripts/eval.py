@@ -14,7 +14,6 @@ from draftsmith.options import GAMMA, device_options, draft_vocab_option, progre
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import CACHE_KINDS
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.evaluate import HFComparison, evaluate_pair, format_table
 from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import (
     DEFAULT_TARGET,
@@ -25,6 +24,10 @@ from draftsmith.specdec.loading import (
     resolve_device,
     resolve_dtype,
 )
+from draftsmith.specdec.measure.hf_compare import HFComparison
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.tables import format_table
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
@@ -235,42 +238,33 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     dtype = eval_dtype(args, device)
     tokenizer, target, draft, kind = load_pair(args, device, dtype)
-    eos = eos_token_ids(target, tokenizer)
+    settings = MeasureSettings(
+        prompts,
+        options=options,
+        max_new_tokens=args.max_new_tokens,
+        eos_ids=eos_token_ids(target, tokenizer),
+        seed=args.seed,
+        repeats=args.repeats,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
     if engine_batch_sizes:  # --engine vllm: the pair in vLLM beside the bundled decoder
         report = engine_report(
             args,
             target,
             draft,
             tokenizer,
-            prompts,
+            settings,
             target_spec=args.target,
             draft_spec=args.draft,
-            options=options,
-            eos_ids=eos,
-            dtype=dtype,
             batch_sizes=engine_batch_sizes,
-            seed=args.seed,
-            progress=not args.no_progress,
         )
         return show_engine_report(report, args.json_out)
     # transformers is timed on models as transformers loads them, apart from the ones our decoder runs.
     compare_hf = _stock_pair(args, device, dtype) if args.compare_hf else None
     if args.draft_vocab:
-        draft = _cut_head(args, draft, kind, eos)
-    report = evaluate_pair(
-        target,
-        draft,
-        tokenizer,
-        prompts,
-        options=options,
-        max_new_tokens=args.max_new_tokens,
-        eos_ids=eos,
-        seed=args.seed,
-        repeats=args.repeats,
-        batch_size=args.batch_size,
-        compare_hf=compare_hf,
-        progress=not args.no_progress,
-    )
+        draft = _cut_head(args, draft, kind, settings.eos_ids)
+    report = evaluate_pair(target, draft, tokenizer, settings, compare_hf=compare_hf)
     report.update(kind.decoding_report(target, draft, args.gamma, options.kv_reuse))
     return finish(args, report, device, dtype)
 

@@ -36,10 +36,10 @@ from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.compiled import make_stream, resolve_compile
 from draftsmith.specdec.drafters import Drafter, LMDrafter, PairedDraft, Proposal
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.measure.clock import Clock
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams, choose_token
 from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad
-from draftsmith.specdec.timing import Clock
 from draftsmith.specdec.tree_drafting import accept_tree, kept_rows
 from draftsmith.specdec.verify import TargetVerifier, Verifier, accept, verification_inputs
 

@@ -174,22 +174,53 @@ def server_environment(engine: Engine, device: str, threads: int | None, kv_cach
     return env
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """How ``serve`` runs a server, whichever models it serves.
+
+    dtype: ``auto`` is float32 on CPUs without native bfloat16 (see ``loading.resolve_dtype``).
+    device: where the engine runs (``auto``: CUDA when there is one).
+    threads: CPU threads of the model (default: all cores this process may use).
+    kv_cache_gib: the CPU backend's KV-cache size.
+    port: default a free one.
+    eager: skip torch.compile (faster start, slower decoding).
+    max_model_len: the longest sequence served (default: the model's context).
+    memory_fraction: the GPU memory share of this server (two servers on one GPU need less than
+        vLLM's default each).
+    prefix_caching: reuse prompt prefixes' KV (off: each request does the same work, as measurements need).
+    max_logprobs: most log-probs per position a request may ask for (default: vLLM's).
+    seed: the engine's seed.
+    startup_timeout: seconds the server has to answer ``/health``.
+    """
+
+    dtype: str | None = "auto"
+    device: str | None = "auto"
+    threads: int | None = None
+    kv_cache_gib: int = 4
+    port: int | None = None
+    eager: bool = False
+    max_model_len: int | None = None
+    memory_fraction: float | None = None
+    prefix_caching: bool = False
+    max_logprobs: int | None = None
+    seed: int = 0
+    startup_timeout: float = 900.0
+
+
 def server_arguments(
     model: str,
     port: int,
     dtype: str,
-    seed: int,
-    draft: str | None,
-    gamma: int,
-    eager: bool,
-    max_model_len: int | None,
-    memory_fraction: float | None,
-    prefix_caching: bool = False,
-    max_logprobs: int | None = None,
+    options: ServeOptions,
+    speculative: dict | None = None,
+    gamma: int = 1,
     whole_prefills: bool = False,
 ) -> list[str]:
     """Command-line arguments of ``vllm serve`` after the command itself (model folders already resolved).
 
+    dtype: the resolved dtype's name (``options.dtype`` may say ``auto``). speculative: the draft's
+    ``--speculative-config`` as its kind gives it (e.g. ``{"method": "draft_model", "model": folder}``),
+    to which ``num_speculative_tokens`` = ``gamma`` is added; None serves the target alone.
     whole_prefills: every prompt is prefilled within one engine step (chunked prefill off, a step's
     token budget the longest sequence served). vLLM's CPU backend needs it for seeded sampling: when
     a prompt is split over steps it rewinds the request's random generator, which a CPU generator
@@ -199,24 +230,24 @@ def server_arguments(
     args = ["--model", model, "--host", HOST, "--port", str(port), "--served-model-name", Path(model).name]
     # "vllm": sampling defaults are neutral, so a model folder's generation_config cannot change what a
     # request asks for; its EOS ids still stop generation, as in the bundled decoder.
-    args += ["--dtype", dtype, "--seed", str(seed), "--generation-config", "vllm"]
+    args += ["--dtype", dtype, "--seed", str(options.seed), "--generation-config", "vllm"]
     # Every repeat of a measurement does the same work: no prompt prefix is served from an earlier request.
     # Generating data, the samples of one prompt share its prefill instead (prefix_caching).
-    args += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    args += ["--enable-prefix-caching" if options.prefix_caching else "--no-enable-prefix-caching"]
     args.append("--disable-uvicorn-access-log")
-    if max_logprobs is not None:  # the most log-probs a request may ask for (vLLM's default: 20)
-        args += ["--max-logprobs", str(max_logprobs)]
-    if eager:  # no torch.compile warm-up (minutes on a small CPU), at some cost in speed
+    if options.max_logprobs is not None:  # the most log-probs a request may ask for (vLLM's default: 20)
+        args += ["--max-logprobs", str(options.max_logprobs)]
+    if options.eager:  # no torch.compile warm-up (minutes on a small CPU), at some cost in speed
         args.append("--enforce-eager")
-    if max_model_len is not None:
-        args += ["--max-model-len", str(max_model_len)]
+    if options.max_model_len is not None:
+        args += ["--max-model-len", str(options.max_model_len)]
     if whole_prefills:
-        budget = max_model_len or model_context(model)
+        budget = options.max_model_len or model_context(model)
         args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
-    if memory_fraction is not None:
-        args += ["--gpu-memory-utilization", str(memory_fraction)]
-    if draft is not None:
-        config = {"method": "draft_model", "model": draft, "num_speculative_tokens": gamma}
+    if options.memory_fraction is not None:
+        args += ["--gpu-memory-utilization", str(options.memory_fraction)]
+    if speculative is not None:
+        config = {**speculative, "num_speculative_tokens": gamma}
         args += ["--speculative-config", json.dumps(config)]
     return args
 
@@ -304,84 +335,70 @@ def sigterm_as_exit() -> Iterator[None]:
 @contextmanager
 def serve(
     model: str,
+    options: ServeOptions = ServeOptions(),
     *,
-    draft: str | None = None,
+    speculative: dict | None = None,
     gamma: int = 3,
-    dtype: str | None = "auto",
-    device: str | None = "auto",
-    threads: int | None = None,
-    kv_cache_gib: int = 4,
-    port: int | None = None,
-    eager: bool = False,
-    max_model_len: int | None = None,
-    memory_fraction: float | None = None,
-    prefix_caching: bool = False,
-    max_logprobs: int | None = None,
-    seed: int = 0,
-    startup_timeout: float = 900.0,
     engine: Engine | None = None,
     log_path: Path | None = None,
 ) -> Iterator[Server]:
-    """Run ``vllm serve model`` (with ``draft`` proposing ``gamma`` tokens a round) for the ``with`` block.
+    """Run ``vllm serve model`` (with the draft of ``speculative`` proposing ``gamma`` tokens a round)
+    for the ``with`` block.
 
-    model, draft: model specs as the rest of draftsmith takes them (folders, ``.gguf`` files, the
-    built-in alias). dtype: ``auto`` is float32 on CPUs without native bfloat16 (see
-    ``loading.resolve_dtype``). threads: CPU threads of the model (default: all cores this process
-    may use). kv_cache_gib: the CPU backend's KV-cache size. port: default a free one. eager: skip
-    torch.compile (faster start, slower decoding). memory_fraction: the GPU memory share of this
-    server (two servers on one GPU need less than vLLM's default each). prefix_caching: reuse prompt
-    prefixes' KV (off: each request does the same work, as measurements need). max_logprobs: most
-    log-probs per position a request may ask for. log_path: where the server's output goes (default:
-    a temporary file, removed after a clean exit, kept and named in any error).
+    model: a model spec as the rest of draftsmith takes it (a folder, a ``.gguf`` file, the built-in
+    alias). speculative: the draft's speculative config as its kind gives it (``{"method":
+    "draft_model", "model": folder}``; its ``model`` is resolved as ``model`` is); the server adds
+    ``num_speculative_tokens``. engine: the vLLM to run (default: ``find_engine``). log_path: where
+    the server's output goes (default: a temporary file, removed after a clean exit, kept and named in
+    any error).
     """
     if gamma < 1:
         raise DraftsmithError(f"gamma must be >= 1, got {gamma}")
     engine = engine or find_engine()
-    device_type = resolve_device(device).type
-    dtype_name = str(resolve_dtype(dtype, resolve_device(device_type))).removeprefix("torch.")
-    model_path, draft_path = resolve_model(model), (resolve_model(draft) if draft is not None else None)
-    port = free_port() if port is None else check_port_free(port)
-    env = server_environment(engine, device_type, threads, kv_cache_gib)
-    args = server_arguments(
-        model=model_path,
-        port=port,
-        dtype=dtype_name,
-        seed=seed,
-        draft=draft_path,
-        gamma=gamma,
-        eager=eager,
-        max_model_len=max_model_len,
-        memory_fraction=memory_fraction,
-        prefix_caching=prefix_caching,
-        max_logprobs=max_logprobs,
-        whole_prefills=device_type == "cpu",  # see server_arguments
-    )
+    args, env, settings = server_plan(model, options, speculative, gamma, engine)
     own_log = log_path is None
     log_path = temporary_log() if own_log else Path(log_path)
-    settings = {
-        "model": model_path,
-        "draft": draft_path,
-        "gamma": gamma if draft_path else None,
-        "dtype": dtype_name,
-        "device": device_type,
-        "eager": eager,
-        "prefix_caching": prefix_caching,
-        "port": port,
-        "command": " ".join(engine.command),
-        "environment": env,
-    }
     with sigterm_as_exit():
         started = time.monotonic()
         process = launch(engine, args, env, log_path)
         try:
-            url = f"http://{HOST}:{port}"
-            wait_until_ready(process, url, log_path, startup_timeout)
+            url = f"http://{HOST}:{settings['port']}"
+            wait_until_ready(process, url, log_path, options.startup_timeout)
             settings["startup_s"] = round(time.monotonic() - started, 1)
-            yield Server(url, Path(model_path).name, settings["gamma"], settings, process, log_path)
+            yield Server(url, Path(settings["model"]).name, settings["gamma"], settings, process, log_path)
         finally:
             stop(process)
     if own_log:
         log_path.unlink(missing_ok=True)
+
+
+def server_plan(
+    model: str, options: ServeOptions, speculative: dict | None, gamma: int, engine: Engine
+) -> tuple[list[str], dict[str, str], dict]:
+    """What ``serve`` starts: the server's arguments, the variables it sets, and how the server runs
+    (``Server.settings``: models, draft, gamma, dtype, device, port, command, environment)."""
+    device_type = resolve_device(options.device).type
+    dtype_name = str(resolve_dtype(options.dtype, resolve_device(device_type))).removeprefix("torch.")
+    model_path = resolve_model(model)
+    if speculative is not None:
+        speculative = {**speculative, "model": resolve_model(speculative["model"])}
+    port = free_port() if options.port is None else check_port_free(options.port)
+    env = server_environment(engine, device_type, options.threads, options.kv_cache_gib)
+    whole_prefills = device_type == "cpu"  # see server_arguments
+    args = server_arguments(model_path, port, dtype_name, options, speculative, gamma, whole_prefills)
+    settings = {
+        "model": model_path,
+        "draft": speculative["model"] if speculative is not None else None,
+        "gamma": gamma if speculative is not None else None,
+        "dtype": dtype_name,
+        "device": device_type,
+        "eager": options.eager,
+        "prefix_caching": options.prefix_caching,
+        "port": port,
+        "command": " ".join(engine.command),
+        "environment": env,
+    }
+    return args, env, settings
 
 
 def temporary_log() -> Path:

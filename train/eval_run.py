@@ -3,106 +3,112 @@
 The report (``speedup_report.json``, ``.md``, ``speedup.png``) and ``best.json`` are rewritten after
 each draft, so an interruption loses nothing; drafts already measured with the same settings are
 not measured again. The drafts measured in one call share what does not depend on their weights:
-the target-only baseline of each temperature is timed once (``evaluate.measure_baseline``), and the
+the target-only baseline of each temperature is timed once (``measure.baseline.measure_baseline``), and the
 cost ratio c once per draft architecture and dtype (on the first draft of it), so the comparison
 between checkpoints is not moved by noise in either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill.drafts import kind_of_folder, load_draft
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.evaluate import Baseline, measure_baseline, spread
 from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dtype
+from draftsmith.specdec.measure.baseline import Baseline, measure_baseline
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.tables import spread
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.prompts import Prompt, read_prompts
+from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.train import checkpoint, speedup
-from draftsmith.train.config import load_run_config
+from draftsmith.train.config import DistillConfig, load_run_config
 from draftsmith.train.models import load_target
 
 
-def evaluate_run(
-    run_dir: Path,
-    prompts_file: str | Path,
-    gammas: list[int],
-    temperatures: list[float],
-    max_new_tokens: int = 64,
-    limit: int | None = None,
-    repeats: int = 1,
-    force: bool = False,
-    device: str | None = None,
-    progress: bool = True,
-    dtype: str | None = None,
-    draft_vocab_size: int | None = None,
-    trees: list[TreeShape] | None = None,
-) -> dict:
-    """Measure the drafts of ``run_dir`` not yet in its report; return the report (``best`` names the best draft).
+@dataclass(frozen=True)
+class RunEvalSettings:
+    """What ``draftsmith eval-run`` measures of a run, checked when made.
 
-    draft_vocab_size: decode with the draft's head cut to the N tokens most frequent in the training
-    answers (0: the full head); None: the cut the run trained with (its ``train_draft_vocab``).
+    prompts_file: the prompts (a JSONL file), of which the first ``limit`` are used (None: all).
+    gammas: chain gammas whose speedup is predicted; the best one is measured.
+    temperatures: each draft is measured at each; the first one chooses the best draft.
     trees: token-tree shapes measured beside the chain gammas (batch 1); the fastest is chosen over the
-    chain when it measured faster (``speedup.choose_tree``)."""
-    check_settings(gammas, limit, max_new_tokens)
+        chain when it measured faster (``speedup.choose_tree``).
+    max_new_tokens, repeats: new tokens per prompt, and timed repeats per measurement.
+    force: measure again drafts already in the report.
+    device, dtype: where and in what the pair runs (None: the default of the device).
+    draft_vocab_size: decode with the draft's head cut to the N tokens most frequent in the training
+        answers (0: the full head); None: the cut the run trained with (its ``train_draft_vocab``).
+    progress: show progress bars.
+    """
+
+    prompts_file: str | Path
+    gammas: list[int]
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    trees: tuple[TreeShape, ...] = ()
+    max_new_tokens: int = 64
+    limit: int | None = None
+    repeats: int = 1
+    force: bool = False
+    device: str | None = None
+    dtype: str | None = None
+    draft_vocab_size: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if any(g < 1 for g in self.gammas):
+            raise DraftsmithError(f"gammas must be >= 1, got {self.gammas}")
+        if self.limit is not None and self.limit < 1:
+            raise DraftsmithError(f"--limit must be >= 1 (prompts to use; leave it out for all), got {self.limit}")
+        if self.max_new_tokens < 1:
+            raise DraftsmithError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def evaluate_run(run_dir: Path, settings: RunEvalSettings) -> dict:
+    """Measure the drafts of ``run_dir`` not yet in its report; return the report (``best`` names the best draft)."""
     cfg = load_run_config(run_dir)
-    if draft_vocab_size is None:
-        draft_vocab_size = cfg.train_draft_vocab
+    draft_vocab_size = cfg.train_draft_vocab if settings.draft_vocab_size is None else settings.draft_vocab_size
     drafts = checkpoint.drafts_of_run(run_dir)
     if not drafts:
         raise DraftsmithError(f"{run_dir} has no checkpoints yet (no initial/ or checkpoint-*/ folders)")
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    target, tokenizer = load_target(cfg, dev, torch_dtype)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    target, tokenizer = load_target(cfg, device, dtype)
     eos = eos_token_ids(target, tokenizer)
     ranking = draft_vocab.load_ranking(run_dir, draft_vocab_size) if draft_vocab_size else None
-
-    settings = {
-        "prompts": str(prompts_file),
-        "gammas": gammas,
-        "max_new_tokens": max_new_tokens,
-        "limit": limit,
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        "draft_vocab": draft_vocab_size,
-        "trees": [t.text for t in trees or []],
-        "repeats": repeats,
-    }
-    report = speedup.load_report(run_dir)
-    if force or any(report.get(k) != v for k, v in settings.items()) or "draft_cost_ratios" not in report:
-        report = {"results": {}, "draft_cost_ratios": {}, "baselines": {}}
-    report.update(settings, run=str(run_dir), target=cfg.target, temperatures=temperatures, hardware=speedup.hardware())
-    shared = SharedMeasurements(
-        target,
-        tokenizer,
-        read_prompts(prompts_file)[:limit],
-        gammas,
-        tuple(trees or ()),
-        max_new_tokens,
-        repeats,
-        cfg.seed,
-        progress,
-        costs=report["draft_cost_ratios"],
+    report = start_report(run_dir, cfg, settings, dtype, draft_vocab_size)
+    measure = MeasureSettings(
+        read_prompts(settings.prompts_file)[: settings.limit],
+        max_new_tokens=settings.max_new_tokens,
+        eos_ids=eos,
+        seed=cfg.seed,
+        repeats=settings.repeats,
+        progress=settings.progress,
     )
+    costs = report["draft_cost_ratios"]
+    shared = SharedMeasurements(target, tokenizer, measure, settings.gammas, settings.trees, costs)
     for name, step, folder in drafts:
-        for temp in temperatures:
+        for temp in settings.temperatures:
             if str(temp) in report["results"].get(name, {}):
                 continue
-            draft = load_draft(str(folder), target, dev, torch_dtype)
+            draft = load_draft(str(folder), target, device, dtype)
             if ranking and kind_of_folder(folder).cuts_head:
                 draft = draft_vocab.SubsetHeadDraft(draft, ranking, eos)
             print(f"measuring {name} at temperature {temp}")
-            key = architecture(folder, settings["dtype"], draft_vocab_size)
+            key = architecture(folder, report["dtype"], draft_vocab_size)
             result = shared.measure(name, draft, key, temperature=temp)
-            check_measured(result, name, max_new_tokens)
+            check_measured(result, name, settings.max_new_tokens)
             report["results"].setdefault(name, {})[str(temp)] = {"step": step, **result}
             report["baselines"][str(temp)] = shared.baseline_figures(temp)
             speedup.write_report(run_dir, report)
@@ -110,13 +116,33 @@ def evaluate_run(
     return report
 
 
-def check_settings(gammas: list[int], limit: int | None, max_new_tokens: int) -> None:
-    if any(g < 1 for g in gammas):
-        raise DraftsmithError(f"gammas must be >= 1, got {gammas}")
-    if limit is not None and limit < 1:
-        raise DraftsmithError(f"--limit must be >= 1 (prompts to use; leave it out for all), got {limit}")
-    if max_new_tokens < 1:
-        raise DraftsmithError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+def start_report(
+    run_dir: Path, cfg: DistillConfig, settings: RunEvalSettings, dtype: torch.dtype, draft_vocab_size: int
+) -> dict:
+    """The run's report so far, or a new one when it was measured under other settings (or ``force``),
+    with the settings of this call."""
+    measured_under = {
+        "prompts": str(settings.prompts_file),
+        "gammas": settings.gammas,
+        "max_new_tokens": settings.max_new_tokens,
+        "limit": settings.limit,
+        "dtype": str(dtype).removeprefix("torch."),
+        "draft_vocab": draft_vocab_size,
+        "trees": [t.text for t in settings.trees],
+        "repeats": settings.repeats,
+    }
+    report = speedup.load_report(run_dir)
+    changed = any(report.get(k) != v for k, v in measured_under.items())
+    if settings.force or changed or "draft_cost_ratios" not in report:
+        report = {"results": {}, "draft_cost_ratios": {}, "baselines": {}}
+    report.update(
+        measured_under,
+        run=str(run_dir),
+        target=cfg.target,
+        temperatures=settings.temperatures,
+        hardware=speedup.hardware(),
+    )
+    return report
 
 
 def architecture(folder: Path, dtype: str, draft_vocab_size: int) -> str:
@@ -137,29 +163,19 @@ class SharedMeasurements:
 
     target: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    prompts: list[Prompt]
+    settings: MeasureSettings  # greedy; each temperature measures with its own sampling
     gammas: list[int]
     trees: tuple[TreeShape, ...]
-    max_new_tokens: int
-    repeats: int
-    seed: int
-    progress: bool
     costs: dict[str, dict]
     baselines: dict[float, Baseline] = field(default_factory=dict)
 
+    def at(self, temperature: float) -> MeasureSettings:
+        """The settings of the measurements at ``temperature``."""
+        return dataclasses.replace(self.settings, options=DecodeOptions(sampling=SamplingParams(temperature)))
+
     def baseline(self, temperature: float) -> Baseline:
         if temperature not in self.baselines:
-            self.baselines[temperature] = measure_baseline(
-                self.target,
-                self.tokenizer,
-                self.prompts,
-                options=DecodeOptions(sampling=SamplingParams(temperature)),
-                max_new_tokens=self.max_new_tokens,
-                eos_ids=eos_token_ids(self.target, self.tokenizer),
-                seed=self.seed,
-                repeats=self.repeats,
-                progress=self.progress,
-            )
+            self.baselines[temperature] = measure_baseline(self.target, self.tokenizer, self.at(temperature))
         return self.baselines[temperature]
 
     def baseline_figures(self, temperature: float) -> dict:
@@ -173,14 +189,8 @@ class SharedMeasurements:
             self.target,
             draft,
             self.tokenizer,
-            self.prompts,
-            gammas=self.gammas,
-            temperature=temperature,
-            eos_ids=eos_token_ids(self.target, self.tokenizer),
-            max_new_tokens=self.max_new_tokens,
-            repeats=self.repeats,
-            seed=self.seed,
-            progress=self.progress,
+            self.at(temperature),
+            self.gammas,
             trees=self.trees,
             baseline=self.baseline(temperature),
             cost_ratio=known["cost_ratio_c"] if known else None,

@@ -12,6 +12,7 @@ best; ``best.json`` in the run folder says which.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -20,11 +21,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.specdec.evaluate import Baseline, alpha_from_tau, evaluate_pair, predicted_speedup
 from draftsmith.specdec.files import atomic_path, write_text
-from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.prompts import Prompt
-from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.measure.baseline import Baseline
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.theory import alpha_from_tau, predicted_speedup
 from draftsmith.specdec.tree import TreeShape
 
 REPORT = "speedup_report.json"
@@ -48,45 +49,29 @@ def measure_draft(
     target: PreTrainedModel,
     draft: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[Prompt],
+    settings: MeasureSettings,
     gammas: list[int],
-    temperature: float,
-    eos_ids: frozenset[int],
-    max_new_tokens: int = 64,
-    repeats: int = 1,
-    seed: int = 0,
-    progress: bool = True,
+    *,
     trees: tuple[TreeShape, ...] = (),
     baseline: Baseline | None = None,
     cost_ratio: float | None = None,
 ) -> dict:
-    """The best gamma for one draft at one temperature, and alpha, tau, c, v and the speedup measured there;
-    with ``trees``, each shape's figures (``trees``) and the shape chosen over the chain, if any (``best_tree``).
+    """The best gamma for one draft, and alpha, tau, c, v and the speedup measured there; with ``trees``,
+    each shape's figures (``trees``) and the shape chosen over the chain, if any (``best_tree``).
 
-    baseline: the target-only runs at this temperature, timed once for several drafts
-    (``evaluate.measure_baseline``). cost_ratio: c of this draft's architecture and dtype measured
-    before, on another draft of it (a draft's weights do not change its step time, so the drafts of a
-    run share one c); None takes c from the run at the base gamma. ``measured_cost_ratio``: c as this
-    draft's own run at the base gamma measured it."""
+    settings: what is measured; its options give the sampling (the temperature the result names),
+    their gamma is each of ``gammas`` in turn. baseline: the target-only runs under these settings,
+    timed once for several drafts (``measure.baseline.measure_baseline``). cost_ratio: c of this
+    draft's architecture and dtype measured before, on another draft of it (a draft's weights do not
+    change its step time, so the drafts of a run share one c); None takes c from the run at the base
+    gamma. ``measured_cost_ratio``: c as this draft's own run at the base gamma measured it."""
     base = 4 if 4 in gammas else sorted(gammas)[len(gammas) // 2]
-    sampling = SamplingParams(temperature)
 
-    def run(options: DecodeOptions) -> dict:
-        return evaluate_pair(
-            target,
-            draft,
-            tokenizer,
-            prompts,
-            options=options,
-            max_new_tokens=max_new_tokens,
-            eos_ids=eos_ids,
-            seed=seed,
-            repeats=repeats,
-            progress=progress,
-            baseline=baseline,
-        )
+    def run(**options) -> dict:
+        at = dataclasses.replace(settings, options=dataclasses.replace(settings.options, **options))
+        return evaluate_pair(target, draft, tokenizer, at, baseline=baseline)
 
-    first = run(DecodeOptions(gamma=base, sampling=sampling))
+    first = run(gamma=base)
     # The prediction needs the per-position acceptance, which accepted / proposed understates for
     # gamma > 1 (tokens after a rejection count as proposed); tau at the base gamma gives it.
     alpha = alpha_from_tau(first["mean_accepted_tokens"] or 1.0, base)
@@ -94,10 +79,10 @@ def measure_draft(
     v = first["verify_ratio_v"]
     predicted = {g: predicted_speedup(alpha, g, c, 1 + (v - 1) * g / base) for g in gammas}
     best_gamma = max(predicted, key=predicted.get)
-    confirmed = first if best_gamma == base else run(DecodeOptions(gamma=best_gamma, sampling=sampling))
+    confirmed = first if best_gamma == base else run(gamma=best_gamma)
     measured_alpha = confirmed["acceptance_rate"]
     result = {
-        "temperature": temperature,
+        "temperature": settings.options.sampling.temperature,
         "best_gamma": best_gamma,
         **{k: confirmed[k] for k in FIGURES},  # measured at the best gamma
         "cost_ratio_c": c,
@@ -112,7 +97,7 @@ def measure_draft(
     }
     if trees:
         # A tree is drafted on the draft's own cache (an early-exit draft runs standalone for it).
-        measured = {t.text: run(DecodeOptions(tree=t, sampling=sampling, kv_reuse=False)) for t in trees}
+        measured = {t.text: run(tree=t, kv_reuse=False) for t in trees}
         result["trees"] = {shape: {k: r[k] for k in (*FIGURES, "nodes_per_round")} for shape, r in measured.items()}
         result["best_tree"] = choose_tree(result)
     return result

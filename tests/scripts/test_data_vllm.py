@@ -20,7 +20,7 @@ from draftsmith.distill.dataset_builder import load_built, read_self_prompts, sh
 from draftsmith.distill.dataset_cache import dataset_entries
 from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
 from draftsmith.specdec.prompts import encode_chat
-from draftsmith.specdec.vllm_server import HOST, serve
+from draftsmith.specdec.vllm_server import HOST, ServeOptions, serve
 from tests.scripts.test_data_cli import KILLED_RUN
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
@@ -32,8 +32,8 @@ EOS = 2  # the default target's <|im_end|>
 def server(engine, tmp_path_factory):
     """The default target in vLLM, as ``draftsmith data`` starts it (prefix caching on)."""
     log = tmp_path_factory.mktemp("vllm-logs") / "data.log"
-    options = {"dtype": "float32", "eager": True, "threads": 1, "prefix_caching": True, "log_path": log}
-    with serve(DEFAULT_TARGET, engine=engine, **options) as running:
+    options = ServeOptions(dtype="float32", eager=True, threads=1, prefix_caching=True)
+    with serve(DEFAULT_TARGET, options, engine=engine, log_path=log) as running:
         yield running
 
 

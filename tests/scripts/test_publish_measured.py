@@ -10,7 +10,7 @@ from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
 from draftsmith.cli import main
-from draftsmith.specdec.hf_compare import AssistedRounds, hf_generate
+from draftsmith.specdec.measure.hf_compare import AssistedRounds, hf_generate
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.train.config import DistillConfig, load_config, load_run_config
 from draftsmith.train.loop import train

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from draftsmith.cli import main
 from draftsmith.specdec.decoder import target_generate
-from draftsmith.specdec.evaluate import measure_baseline
+from draftsmith.specdec.measure.baseline import measure_baseline
 from draftsmith.train import eval_run, speedup
 from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.loop import train
@@ -59,9 +59,9 @@ def test_eval_run_measures_every_checkpoint_once(run_dir, capsys):
 def test_eval_run_times_the_baseline_once_and_c_once_per_architecture(run_dir, monkeypatch):
     baselines, given_c = [], []
 
-    def counted_baseline(*args, **kwargs):
-        baselines.append(kwargs["options"].sampling.temperature)
-        return measure_baseline(*args, **kwargs)
+    def counted_baseline(target, tokenizer, settings):
+        baselines.append(settings.options.sampling.temperature)
+        return measure_baseline(target, tokenizer, settings)
 
     def recorded_measure(*args, **kwargs):
         given_c.append(kwargs["cost_ratio"])

@@ -5,16 +5,17 @@ refusals where decoding stays eager. Exactness of whole runs is in test_decoder_
 import pytest
 import torch
 
+from draftsmith.distill.drafts.early_exit import EarlyExitDraft
 from draftsmith.specdec.cache import slot_mask
 from draftsmith.specdec.compiled import CompiledStream, compiled_graphs, static_cache
 from draftsmith.specdec.decoder import decodes_compiled, speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.evaluate import evaluate_pair
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt
 from draftsmith.specdec.stream import ModelStream
 from draftsmith.specdec.tree import TreeShape
-from draftsmith.distill.drafts.early_exit import EarlyExitDraft
 from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
 
 PROMPTS = [[0, 5, 7, 9], [0, 3], [0, 8, 8, 8, 8, 8, 2, 11, 4]]
@@ -132,9 +133,11 @@ def test_bfloat16_on_a_cpu_decodes_eager_to_stay_row_exact():
 def test_evaluation_reports_compile_time_apart_and_compiles_nothing_for_a_second_checkpoint(target):
     tokenizer = tiny_tokenizer(32)
     prompts = [Prompt(str(i), "c", [[{"role": "user", "content": text}]]) for i, text in enumerate(["w5 w7", "w9"])]
-    common = dict(options=DecodeOptions(gamma=3, compile=True), max_new_tokens=16, repeats=1, progress=False)
-    first = evaluate_pair(target, noisy_copy(target, noise=0.3), tokenizer, prompts, **common)
-    second = evaluate_pair(target, noisy_copy(target, noise=0.3, seed=2), tokenizer, prompts, **common)
+    settings = MeasureSettings(
+        prompts, options=DecodeOptions(gamma=3, compile=True), max_new_tokens=16, repeats=1, progress=False
+    )
+    first = evaluate_pair(target, noisy_copy(target, noise=0.3), tokenizer, settings)
+    second = evaluate_pair(target, noisy_copy(target, noise=0.3, seed=2), tokenizer, settings)
     for report in (first, second):
         assert report["compile"] is True
         assert report["greedy_match"] == 1.0

@@ -1,20 +1,19 @@
 """The speedup model and the report: per-position acceptance recovered from tokens per round, cost
 ratios from the decoders' timings, medians over repeats, a target-only baseline shared by drafts."""
 
+import dataclasses
 import statistics
 
 import pytest
 
 from draftsmith.specdec.decoder import DecodeStats, target_generate
-from draftsmith.specdec.evaluate import (
-    Tally,
-    alpha_from_tau,
-    evaluate_pair,
-    measure_baseline,
-    predicted_speedup,
-    report_from_repeats,
-    step_costs,
-)
+from draftsmith.specdec.measure.baseline import measure_baseline
+from draftsmith.specdec.measure.costs import step_costs
+from draftsmith.specdec.measure.figures import report_from_repeats
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.tally import Tally
+from draftsmith.specdec.measure.theory import alpha_from_tau, predicted_speedup
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt, encode_chat
 from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
@@ -84,8 +83,8 @@ def test_drafts_measured_against_one_baseline_share_its_target_runs():
         Prompt(str(i), category, [[{"role": "user", "content": f"w{3 + i} w{10 + i}"}]])
         for i, category in enumerate(["writing", "writing", "math"])
     ]
-    common = {"max_new_tokens": 12, "seed": 0, "repeats": 2, "progress": False}
-    baseline = measure_baseline(target, tokenizer, prompts, **common)
+    settings = MeasureSettings(prompts, max_new_tokens=12, seed=0, repeats=2, progress=False)
+    baseline = measure_baseline(target, tokenizer, settings)
     assert [len(t.stats) for t in baseline.repeats] == [3, 3]  # one call per prompt, per repeat
     assert (
         baseline.repeats[0].outputs[0] == target_generate(target, [encode_chat(tokenizer, prompts[0].turns[0])], 12)[0]
@@ -93,14 +92,11 @@ def test_drafts_measured_against_one_baseline_share_its_target_runs():
     target_rate = statistics.median(t.tokens_per_s for t in baseline.repeats)
     for noise in (0.2, 0.6):
         draft = noisy_copy(target, noise)
-        report = evaluate_pair(
-            target, draft, tokenizer, prompts, options=DecodeOptions(gamma=2), baseline=baseline, **common
-        )
+        at_gamma_2 = dataclasses.replace(settings, options=DecodeOptions(gamma=2))
+        report = evaluate_pair(target, draft, tokenizer, at_gamma_2, baseline=baseline)
         assert report["baseline_shared"] is True
         assert report["target_tokens_per_s"] == target_rate  # the baseline's timing, not a new one
         assert report["greedy_match"] == 1.0  # against the baseline's recorded outputs
     # Runs under other settings are not the ones this call would time: it times the target itself.
-    other = evaluate_pair(
-        target, draft, tokenizer, prompts, options=DecodeOptions(gamma=2), baseline=baseline, **common | {"seed": 1}
-    )
+    other = evaluate_pair(target, draft, tokenizer, dataclasses.replace(at_gamma_2, seed=1), baseline=baseline)
     assert other["baseline_shared"] is False and other["target_tokens_per_s"] != target_rate

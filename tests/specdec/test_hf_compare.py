@@ -5,8 +5,9 @@ import copy
 import pytest
 
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.evaluate import HFComparison, evaluate_pair
-from draftsmith.specdec.hf_compare import AssistedRounds, configure_assistant, hf_generate
+from draftsmith.specdec.measure.hf_compare import AssistedRounds, HFComparison, configure_assistant, hf_generate
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt
 from draftsmith.specdec.sampling import SamplingParams
@@ -54,19 +55,10 @@ def test_compare_hf_times_stock_models_at_gamma():
     stock = HFComparison(copy.deepcopy(target), copy.deepcopy(draft))  # made before the decoder runs
     turns = [[[{"role": "user", "content": f"w{4 + i} w{9 + i}"}]] for i in range(3)]
     prompts = [Prompt(id=str(i), category="chat", turns=t) for i, t in enumerate(turns)]
-    report = evaluate_pair(
-        target,
-        draft,
-        tiny_tokenizer(),
-        prompts,
-        options=DecodeOptions(gamma=3),
-        max_new_tokens=16,
-        eos_ids=NO_EOS,
-        repeats=1,
-        compare_hf=stock,
-        progress=False,
-        tune_verify=False,
+    settings = MeasureSettings(
+        prompts, options=DecodeOptions(gamma=3), max_new_tokens=16, eos_ids=NO_EOS, repeats=1, progress=False
     )
+    report = evaluate_pair(target, draft, tiny_tokenizer(), settings, compare_hf=stock, tune_verify=False)
     # The bundled decoder switched its own models to row-exact attention; the stock copies kept sdpa.
     assert target.config._attn_implementation != "sdpa" and draft.config._attn_implementation != "sdpa"
     assert stock.target.config._attn_implementation == stock.assistant.config._attn_implementation == "sdpa"

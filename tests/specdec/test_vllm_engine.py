@@ -16,6 +16,7 @@ import torch
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
+from draftsmith.specdec.measure.vllm_pair import measure_engine_pair
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.specdec.vllm_client import (
@@ -25,11 +26,11 @@ from draftsmith.specdec.vllm_client import (
     parse_spec_counters,
     read_spec_counters,
 )
-from draftsmith.specdec.vllm_measure import measure_engine_pair
 from draftsmith.specdec.vllm_server import (
     ENGINE_VARIABLE,
     HOST,
     Engine,
+    ServeOptions,
     check_port_free,
     connect,
     find_engine,
@@ -46,6 +47,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the bundled decoder 
 QUESTIONS = ["Why is the sky blue?", "Write a haiku about autumn.", "What is 12 times 7?"]
 MAX_TOKENS = 24
 GAMMA = 3
+ONE_THREAD = ServeOptions(dtype="float32", eager=True, threads=1)  # no torch.compile warm-up; see the docstring
 
 METRICS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -79,34 +81,32 @@ def test_counter_differences_keep_only_what_happened_between_readings():
 
 
 def test_server_arguments_name_the_draft_and_gamma():
-    args = server_arguments(
-        model="/m/target",
-        port=8123,
-        dtype="float32",
-        seed=0,
-        draft="/m/draft",
-        gamma=4,
-        eager=True,
-        max_model_len=None,
-        memory_fraction=None,
-    )
+    speculative = {"method": "draft_model", "model": "/m/draft"}  # as the draft's kind gives it
+    args = server_arguments("/m/target", 8123, "float32", ServeOptions(eager=True), speculative, gamma=4)
     assert args[:6] == ["--model", "/m/target", "--host", "127.0.0.1", "--port", "8123"]
     assert "--enforce-eager" in args and "--no-enable-prefix-caching" in args
     config = json.loads(args[args.index("--speculative-config") + 1])
     assert config == {"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 4}
 
 
+def test_server_arguments_pass_a_kinds_own_speculative_settings_through():
+    speculative = {"method": "eagle3", "model": "/m/head", "parallel_drafting": True}
+    args = server_arguments("/m/target", 8123, "float32", ServeOptions(), speculative, gamma=3)
+    config = json.loads(args[args.index("--speculative-config") + 1])
+    assert config == {"method": "eagle3", "model": "/m/head", "parallel_drafting": True, "num_speculative_tokens": 3}
+    assert "--speculative-config" not in server_arguments("/m/target", 8123, "float32", ServeOptions())
+
+
 def test_cpu_servers_prefill_every_prompt_in_one_step(tmp_path):
     # vLLM's CPU backend kills the engine when a seeded request's prompt is split over steps.
-    common = {"port": 1, "dtype": "float32", "seed": 0, "draft": None, "gamma": 1, "eager": True}
-    args = server_arguments(model="/m/t", max_model_len=512, memory_fraction=None, whole_prefills=True, **common)
+    eager = ServeOptions(eager=True)
+    limited = ServeOptions(eager=True, max_model_len=512)
+    args = server_arguments("/m/t", 1, "float32", limited, whole_prefills=True)
     assert args[args.index("--no-enable-chunked-prefill") + 1 :][:2] == ["--max-num-batched-tokens", "512"]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
-    args = server_arguments(
-        model=str(tmp_path), max_model_len=None, memory_fraction=None, whole_prefills=True, **common
-    )
+    args = server_arguments(str(tmp_path), 1, "float32", eager, whole_prefills=True)
     assert args[args.index("--max-num-batched-tokens") + 1] == "2048"
-    args = server_arguments(model="/m/t", max_model_len=None, memory_fraction=None, **common)
+    args = server_arguments("/m/t", 1, "float32", eager)
     assert "--no-enable-chunked-prefill" not in args and "--max-num-batched-tokens" not in args
 
 
@@ -191,7 +191,7 @@ def draft(default, tmp_path_factory):
 @pytest.fixture(scope="module")
 def target_server(engine, default, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-logs") / "target.log"
-    with serve(DEFAULT_TARGET, dtype="float32", eager=True, threads=1, engine=engine, log_path=log) as server:
+    with serve(DEFAULT_TARGET, ONE_THREAD, engine=engine, log_path=log) as server:
         yield server
     assert not group_alive(server.process.pid)  # the server and the engine's workers are gone
 
@@ -199,8 +199,8 @@ def target_server(engine, default, tmp_path_factory):
 @pytest.fixture(scope="module")
 def draft_server(engine, default, draft, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-logs") / "draft.log"
-    options = {"dtype": "float32", "eager": True, "threads": 1, "engine": engine, "log_path": log}
-    with serve(DEFAULT_TARGET, draft=str(draft[1]), gamma=GAMMA, **options) as server:
+    speculative = {"method": "draft_model", "model": str(draft[1])}
+    with serve(DEFAULT_TARGET, ONE_THREAD, speculative=speculative, gamma=GAMMA, engine=engine, log_path=log) as server:
         yield server
     assert not group_alive(server.process.pid)
 
@@ -278,11 +278,11 @@ def test_engine_pair_report_agrees_with_its_counters(target_server, draft_server
 @pytest.mark.vllm
 def test_the_server_and_its_workers_are_gone_after_an_exception_and_its_port_is_refused_meanwhile(engine, default):
     stopped = pytest.raises(RuntimeError, match="stop inside the block")
-    with stopped, serve(DEFAULT_TARGET, dtype="float32", eager=True, threads=1, engine=engine) as server:
+    with stopped, serve(DEFAULT_TARGET, ONE_THREAD, engine=engine) as server:
         group = server.process.pid
         port = int(server.url.rsplit(":", 1)[1])
         refused = pytest.raises(DraftsmithError, match=f"port {port} on 127.0.0.1 is in use")
-        with refused, serve(DEFAULT_TARGET, port=port, engine=engine):
+        with refused, serve(DEFAULT_TARGET, ServeOptions(port=port), engine=engine):
             pass
         assert group_alive(group)
         raise RuntimeError("stop inside the block")
@@ -299,7 +299,8 @@ def test_a_wrong_model_path_is_a_clear_error(engine, tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     failed = pytest.raises(DraftsmithError, match="exited with status .* before it was ready")
-    with failed as caught, serve(str(broken), eager=True, engine=engine, log_path=tmp_path / "broken.log"):
+    log = tmp_path / "broken.log"
+    with failed as caught, serve(str(broken), ServeOptions(eager=True), engine=engine, log_path=log):
         pass
-    assert str(tmp_path / "broken.log") in str(caught.value)
+    assert str(log) in str(caught.value)
     assert len(str(caught.value).splitlines()) > 5  # the log's last lines come with the message

@@ -14,7 +14,7 @@ from draftsmith.specdec.draft_vocab import kept_ids, load_ranking, rank_tokens
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.train import loop
 from draftsmith.train.config import DistillConfig, config_path, load_config
-from draftsmith.train.eval_run import evaluate_run
+from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 from draftsmith.train.examples import EpochSampler
 from draftsmith.train.publish import publish
 
@@ -96,7 +96,7 @@ def test_eval_run_and_publish_decode_with_the_trained_cut(cut_run, tmp_path):
     run_dir, _, _ = cut_run
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Count to five."}\n')
-    report = evaluate_run(run_dir, prompts, gammas=[2], temperatures=[0.0], max_new_tokens=16, progress=False)
+    report = evaluate_run(run_dir, RunEvalSettings(prompts, gammas=[2], max_new_tokens=16, progress=False))
     assert report["draft_vocab"] == CUT  # the run's own cut when none is asked for
     assert report["results"]["checkpoint-6"]["0.0"]["greedy_match"] == 1.0
     draft_dir = publish(run_dir / "checkpoint-6", tmp_path / "draft")

@@ -5,17 +5,22 @@ transformers 5.x takes the assisted-generation settings from the *assistant's* `
 defaults 20 tokens, a heuristic schedule, a 0.4 confidence cut); a ``num_assistant_tokens=`` passed
 to ``generate`` is ignored. ``configure_assistant`` sets gamma there, and ``AssistedRounds`` counts
 from the models' own calls how many tokens the assistant drafted in each round, so a comparison can
-check that it ran at gamma.
+check that it ran at gamma. ``HFComparison`` holds the stock copies of a pair and what was timed on them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.tally import Tally
 from draftsmith.specdec.sampling import SamplingParams
 
 
@@ -121,3 +126,48 @@ def hf_generate(
     with torch.inference_mode():
         out = target.generate(x, attention_mask=torch.ones_like(x), **kwargs)
     return out[0, len(ids) :].tolist()
+
+
+@dataclass
+class HFComparison:
+    """Stock ``transformers`` copies of the pair (loaded apart from the models the bundled decoder
+    runs, which it switches to row-exact attention) and what was timed on them."""
+
+    target: PreTrainedModel
+    assistant: PreTrainedModel
+    tallies: dict[str, Tally] = field(default_factory=lambda: {"generate": Tally(), "assisted": Tally()})
+    rounds: list[Round] = field(default_factory=list)
+
+    def time_prompt(self, ids: list[int], settings: MeasureSettings) -> None:
+        """``transformers`` generate and assisted generation on one prompt, as ``settings`` decode it."""
+        for name, assistant in (("generate", None), ("assisted", self.assistant)):
+            rounds = AssistedRounds(self.target, self.assistant, len(ids) + settings.max_new_tokens, settings.eos_ids)
+            start = time.perf_counter()
+            with rounds if assistant is not None else contextlib.nullcontext():
+                new = hf_generate(
+                    self.target,
+                    ids,
+                    settings.max_new_tokens,
+                    sampling=settings.options.sampling,
+                    eos_ids=settings.eos_ids,
+                    assistant=assistant,
+                )
+            self.tallies[name].tokens += len(new)
+            self.tallies[name].seconds += time.perf_counter() - start
+            if assistant is not None:
+                rounds.check(settings.options.gamma)
+                self.rounds += rounds.rounds
+
+    def report(self, gamma: int) -> dict:
+        """tokens/s of both, and the assistant's drafted tokens per round that had room for ``gamma``."""
+        full = [r.drafted for r in self.rounds if r.room >= gamma and not r.ended_with_eos]
+        histogram: dict[str, int] = defaultdict(int)
+        for r in self.rounds:
+            histogram[str(r.drafted)] += 1
+        return {
+            "hf_generate_tokens_per_s": self.tallies["generate"].tokens_per_s,
+            "hf_assisted_tokens_per_s": self.tallies["assisted"].tokens_per_s,
+            "hf_assisted_rounds": len(self.rounds),
+            "hf_drafted_per_round": sum(full) / len(full) if full else None,
+            "hf_drafted_histogram": dict(sorted(histogram.items())),
+        }

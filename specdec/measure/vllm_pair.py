@@ -3,7 +3,7 @@
 The same prompts (token ids), sampling settings and ``max_tokens`` go to two servers, the target
 alone and the target with the draft at gamma, after a warm-up, the two interleaved repeat by repeat
 (so a load change on a shared machine hits both alike) and the medians of the repeats compared. The
-report's keys are those of the bundled decoder's report (``evaluate.evaluate_pair``), so the two
+report's keys are those of the bundled decoder's report (``pair.evaluate_pair``), so the two
 can stand side by side: ``acceptance_rate`` (alpha), ``mean_accepted_tokens`` (tau: tokens emitted
 per verification, the target's own token included), ``target_tokens_per_s``, ``spec_tokens_per_s``,
 ``speedup``.
@@ -11,6 +11,7 @@ per verification, the target's own token included), ``target_tokens_per_s``, ``s
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -19,24 +20,28 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import resolve_device
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.vllm_client import Completion, SpecCounters, complete_batch, read_spec_counters
-from draftsmith.specdec.vllm_server import Server, serve
+from draftsmith.specdec.vllm_server import Engine, ServeOptions, Server, serve
 
 # Two servers share one GPU during a measurement; vLLM's default would give each 92 % of its memory.
 PAIR_GPU_MEMORY_FRACTION = 0.45
 
 
 @contextmanager
-def serve_pair(target: str, draft: str, gamma: int, **serve_options) -> Iterator[tuple[Server, Server]]:
-    """Two servers for the ``with`` block: the target alone, and the target with ``draft`` at ``gamma``.
+def serve_pair(
+    target: str, speculative: dict, gamma: int, options: ServeOptions, engine: Engine | None = None
+) -> Iterator[tuple[Server, Server]]:
+    """Two servers for the ``with`` block: the target alone, and the target with the draft of
+    ``speculative`` (its speculative config, as its kind gives it) at ``gamma``.
 
-    serve_options: the keyword arguments of ``vllm_server.serve`` shared by both (dtype, threads, ...).
+    options: how both servers run (dtype, threads, ...); on a GPU each takes at most
+    ``PAIR_GPU_MEMORY_FRACTION`` of its memory unless ``options`` says otherwise.
     """
-    if resolve_device(serve_options.get("device")).type == "cuda":
-        serve_options.setdefault("memory_fraction", PAIR_GPU_MEMORY_FRACTION)
+    if resolve_device(options.device).type == "cuda" and options.memory_fraction is None:
+        options = dataclasses.replace(options, memory_fraction=PAIR_GPU_MEMORY_FRACTION)
     with ExitStack() as stack:
-        baseline = stack.enter_context(serve(target, **serve_options))
-        speculative = stack.enter_context(serve(target, draft=draft, gamma=gamma, **serve_options))
-        yield baseline, speculative
+        baseline = stack.enter_context(serve(target, options, engine=engine))
+        speculative_server = serve(target, options, speculative=speculative, gamma=gamma, engine=engine)
+        yield baseline, stack.enter_context(speculative_server)
 
 
 def _timed_run(
@@ -87,28 +92,29 @@ def measure_engine_pair(
         counters = counters + grown
         if repeat == 0:
             matches = [b.token_ids == s.token_ids for b, s in zip(base_answers, spec_answers, strict=True)]
-    return _engine_report(
-        target_rates, spec_rates, counters, matches, baseline, speculative, sampling, batch_size, max_tokens, prompts
-    )
+    return {
+        "engine": "vllm",
+        **engine_figures(target_rates, spec_rates, counters),
+        "greedy_match": sum(matches) / len(matches) if sampling.greedy else None,
+        "gamma": speculative.gamma,
+        "batch_size": batch_size,
+        "max_new_tokens": max_tokens,
+        "repeats": len(target_rates),
+        "prompts": len(prompts),
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "baseline_server": baseline.settings,
+        "speculative_server": speculative.settings,
+    }
 
 
-def _engine_report(
-    target_rates: list[float],
-    spec_rates: list[float],
-    counters: SpecCounters,
-    matches: list[bool],
-    baseline: Server,
-    speculative: Server,
-    sampling: SamplingParams,
-    batch_size: int,
-    max_tokens: int,
-    prompts: list[list[int]],
-) -> dict:
-    """The report dict: medians, the repeats' spread, the counters' totals and how the servers ran."""
+def engine_figures(target_rates: list[float], spec_rates: list[float], counters: SpecCounters) -> dict:
+    """The engine's figures over the repeats: medians and spread of tokens/s and speedup, and the
+    acceptance from the counters' totals."""
     per_repeat = [s / t for s, t in zip(spec_rates, target_rates, strict=True)]
     target_tps, spec_tps = statistics.median(target_rates), statistics.median(spec_rates)
     return {
-        "engine": "vllm",
         "acceptance_rate": counters.acceptance_rate,
         "acceptance_per_position": counters.acceptance_per_position,
         "mean_accepted_tokens": counters.mean_accepted_tokens,
@@ -122,15 +128,4 @@ def _engine_report(
         "drafts": counters.drafts,
         "proposed": counters.draft_tokens,
         "accepted": counters.accepted,
-        "greedy_match": sum(matches) / len(matches) if sampling.greedy else None,
-        "gamma": speculative.gamma,
-        "batch_size": batch_size,
-        "max_new_tokens": max_tokens,
-        "repeats": len(target_rates),
-        "prompts": len(prompts),
-        "temperature": sampling.temperature,
-        "top_k": sampling.top_k,
-        "top_p": sampling.top_p,
-        "baseline_server": baseline.settings,
-        "speculative_server": speculative.settings,
     }

@@ -1,8 +1,8 @@
 """The bundled decoder beside vLLM for one (target, draft) pair: how well our figures predict the engine's.
 
 At each batch size the same prompts, sampling settings, gamma and ``max_new_tokens`` go to
-``evaluate.evaluate_pair`` (the bundled decoder: its measured speedup, and the speedup predicted
-from its alpha, c and v) and to ``vllm_measure.measure_engine_pair`` (two vLLM servers, the target
+``pair.evaluate_pair`` (the bundled decoder: its measured speedup, and the speedup predicted
+from its alpha, c and v) and to ``vllm_pair.measure_engine_pair`` (two vLLM servers, the target
 alone and the target with the draft: alpha, per-position acceptance and tau from the engine's own
 counters, tokens/s from the clock). The prompts' first turns are used, all in one category so that
 batches fill, repeated in order up to the batch size when there are fewer. The bundled decoder runs
@@ -21,12 +21,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.evaluate import evaluate_pair, fmt
-from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.tables import fmt
+from draftsmith.specdec.measure.vllm_pair import measure_engine_pair, serve_pair
 from draftsmith.specdec.prompts import Prompt, encode_chat
 from draftsmith.specdec.vllm_client import engine_version
-from draftsmith.specdec.vllm_measure import measure_engine_pair, serve_pair
-from draftsmith.specdec.vllm_server import find_engine
+from draftsmith.specdec.vllm_server import ServeOptions, find_engine
 
 BUNDLED_KEYS = ("acceptance_rate", "mean_accepted_tokens", "target_tokens_per_s", "spec_tokens_per_s", "speedup")
 BUNDLED_KEYS += ("speedup_spread", "predicted_speedup", "cost_ratio_c", "verify_ratio_v", "greedy_match")
@@ -52,75 +53,59 @@ def compare_with_engine(
     target: PreTrainedModel,
     draft: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[Prompt],
+    settings: MeasureSettings,
     *,
     target_spec: str,
-    draft_folder: str,
-    options: DecodeOptions,
-    max_new_tokens: int,
-    eos_ids: frozenset[int],
+    speculative: dict,
     batch_sizes: list[int],
-    repeats: int = 3,
-    seed: int = 0,
-    serve_options: dict | None = None,
-    progress: bool = True,
+    serve_options: ServeOptions = ServeOptions(),
 ) -> dict:
     """The pair in the bundled decoder and in vLLM at each of ``batch_sizes``; the report as a dict.
 
-    target_spec, draft_folder: what the vLLM servers load (the same models as ``target`` and
-    ``draft``). serve_options: keyword arguments of ``vllm_server.serve`` for both servers (dtype,
+    settings: what both engines measure (its batch size is each of ``batch_sizes`` in turn).
+    target_spec, speculative: what the vLLM servers load (the same models as ``target`` and
+    ``draft``): the target's spec and the draft's speculative config as its kind gives it
+    (``{"method": "draft_model", "model": folder}``). serve_options: how both servers run (dtype,
     threads, eager, ...).
     """
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise DraftsmithError(f"batch sizes must be >= 1, got {batch_sizes}")
-    serve_options = dict(serve_options or {})
-    if serve_options.get("engine") is None:  # a missing vLLM is said before minutes of measuring
-        serve_options["engine"] = find_engine()
-    runs = {size: filled(prompts, size) for size in batch_sizes}
+    engine = find_engine()  # a missing vLLM is said before minutes of measuring
+    runs = {size: filled(settings.prompts, size) for size in batch_sizes}
     bundled = {}
     for size, chosen in runs.items():
-        if progress:
+        if settings.progress:
             print(f"bundled decoder, batch {size}: {len(chosen)} prompts")
-        bundled[size] = evaluate_pair(
-            target,
-            draft,
-            tokenizer,
-            chosen,
-            options=options,
-            max_new_tokens=max_new_tokens,
-            eos_ids=eos_ids,
-            seed=seed,
-            repeats=repeats,
-            batch_size=size,
-            progress=progress,
-        )
-    engine = {}
-    with serve_pair(target_spec, draft_folder, options.gamma, **serve_options) as (baseline, speculative):
+        at_size = dataclasses.replace(settings, prompts=chosen, batch_size=size)
+        bundled[size] = evaluate_pair(target, draft, tokenizer, at_size)
+    options = settings.options
+    engine_runs = {}
+    with serve_pair(target_spec, speculative, options.gamma, serve_options, engine) as (baseline, speculative_server):
         version = engine_version(baseline)
         for size, chosen in runs.items():
-            if progress:
+            if settings.progress:
                 print(f"vLLM, batch {size}: {len(chosen)} prompts")
-            engine[size] = measure_engine_pair(
+            engine_runs[size] = measure_engine_pair(
                 baseline,
-                speculative,
+                speculative_server,
                 first_turn_ids(tokenizer, chosen),
-                max_tokens=max_new_tokens,
+                max_tokens=settings.max_new_tokens,
                 sampling=options.sampling,
                 batch_size=size,
-                repeats=repeats,
-                seed=seed,
+                repeats=settings.repeats,
+                seed=settings.seed,
             )
-        servers = {"baseline": baseline.settings, "speculative": speculative.settings}
+        servers = {"baseline": baseline.settings, "speculative": speculative_server.settings}
     return {
         "engine": "vllm",
         "engine_version": version,
         "gamma": options.gamma,
-        "max_new_tokens": max_new_tokens,
-        "repeats": repeats,
+        "max_new_tokens": settings.max_new_tokens,
+        "repeats": settings.repeats,
         "temperature": options.sampling.temperature,
         "top_k": options.sampling.top_k,
         "top_p": options.sampling.top_p,
-        "rows": [comparison_row(size, bundled[size], engine[size], len(runs[size])) for size in batch_sizes],
+        "rows": [comparison_row(size, bundled[size], engine_runs[size], len(runs[size])) for size in batch_sizes],
         "servers": servers,
     }
 

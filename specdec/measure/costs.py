@@ -1,0 +1,55 @@
+"""The cost ratios: c = one draft step / one target single-token step, v = one verification forward /
+one target single-token step.
+
+``step_costs`` takes both from the stats of a target-only run and a speculative run on the same
+prompts (as ``evaluate_pair`` measures them); ``measure_cost_ratio`` times c on its own, for a draft
+that is not being evaluated as a pair (during training). With a token tree a draft step is one
+forward over a level's nodes and a verification the one forward over all the tree's nodes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import PreTrainedModel
+
+from draftsmith.specdec.decoder import DecodeStats, target_generate
+from draftsmith.specdec.measure.clock import eval_mode
+
+
+def sum_stats(stats: list[DecodeStats]) -> DecodeStats:
+    """The counters and timings of several decoding calls added up."""
+    total = DecodeStats()
+    for s in stats:
+        for name in total.__dataclass_fields__:
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+    return total
+
+
+def single_step_time(baseline: DecodeStats) -> float:
+    """Seconds of one single-token step of a target-only run (prefill excluded); nan without steps."""
+    return baseline.verify_time / baseline.rounds if baseline.rounds else math.nan
+
+
+def step_costs(baseline: DecodeStats, spec: DecodeStats, calls: int) -> tuple[float, float]:
+    """(c, v) from a target-only run and a speculative run on the same prompts, each the sum of
+    ``calls`` decoding calls: c = one draft step / one target step, v = one verification / one
+    target step. The draft's prefill forwards (one per call) are not steps."""
+    step = single_step_time(baseline)
+    draft_steps = spec.draft_forwards - calls
+    c = spec.draft_time / draft_steps / step if draft_steps else math.nan
+    v = spec.verify_time / spec.rounds / step if spec.rounds else math.nan
+    return c, v
+
+
+def measure_cost_ratio(target: PreTrainedModel, draft: torch.nn.Module, prompt_len: int = 32, steps: int = 16) -> float:
+    """c = one draft decoding step / one target decoding step, each timed decoding alone (as the
+    target-only baseline decodes), for a draft that is not being evaluated as a pair."""
+    prompt = [[t % target.config.vocab_size for t in range(1, prompt_len + 1)]]
+    step = {}
+    with eval_mode(target, draft):
+        for name, model in (("target", target), ("draft", draft)):
+            target_generate(model, prompt, 4)  # warm-up
+            step[name] = single_step_time(target_generate(model, prompt, steps + 1)[1])
+    return step["draft"] / step["target"]

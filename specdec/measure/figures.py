@@ -1,0 +1,81 @@
+"""A measurement's figures from its tallies: alpha, tau, c, v, tokens/s, measured and predicted speedup.
+
+Speedup is the median speculative tokens/s over the median target-only tokens/s; the other figures
+are those of the median repeat (by speedup), and the same figures are given per prompt category.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from draftsmith.specdec.measure.costs import step_costs, sum_stats
+from draftsmith.specdec.measure.hf_compare import HFComparison
+from draftsmith.specdec.measure.tables import spread
+from draftsmith.specdec.measure.tally import Tally
+from draftsmith.specdec.measure.theory import predicted_speedup, predicted_tree_speedup
+
+
+def pair_metrics(target: Tally, spec: Tally, gamma: int, tree: bool = False) -> dict:
+    """alpha, tau, c, v and both speedups from the stats of one set of runs (``tree``: token-tree rounds)."""
+    base, sp = sum_stats(target.stats), sum_stats(spec.stats)
+    alpha = sp.acceptance_rate
+    c, v = step_costs(base, sp, calls=len(spec.stats))
+    if tree:
+        predicted = predicted_tree_speedup(sp, c, v, calls=len(spec.stats))
+    else:
+        predicted = predicted_speedup(alpha, gamma, c, v) if alpha is not None else None
+    speedup = spec.tokens_per_s / target.tokens_per_s if target.tokens_per_s else None
+    return {
+        "acceptance_rate": alpha,
+        "mean_accepted_tokens": sp.mean_accepted_tokens,
+        "target_tokens_per_s": target.tokens_per_s,
+        "spec_tokens_per_s": spec.tokens_per_s,
+        "speedup": speedup,
+        "cost_ratio_c": c,
+        "verify_ratio_v": v,
+        "predicted_speedup": predicted,
+        "efficiency": speedup / predicted if speedup and predicted else None,
+        "nodes_per_round": sp.nodes_per_round,  # tree rounds only
+        "proposed": sp.proposed,
+        "accepted": sp.accepted,
+        "time_split_s": {
+            "prefill": sp.prefill_time,
+            "draft": sp.draft_time,
+            "verify": sp.verify_time,
+            "other": sp.other_time,
+        },
+    }
+
+
+def report_from_repeats(
+    repeat_tallies: list[dict[str, Tally]],
+    per_cat: dict[str, dict[str, Tally]],
+    hf: HFComparison | None,
+    greedy_matches: list[bool],
+    gamma: int,
+    tree: bool = False,
+) -> dict:
+    """The overall figures (alpha, c, v, ... of the median repeat; speedup from the median tokens/s
+    of each decoder), greedy identity, and the figures per category."""
+    per_repeat = [pair_metrics(t["target"], t["spec"], gamma, tree) for t in repeat_tallies]
+    median_rep = sorted(range(len(per_repeat)), key=lambda i: per_repeat[i]["speedup"])[len(per_repeat) // 2]
+    report = dict(per_repeat[median_rep])
+    target_tps = statistics.median(r["target_tokens_per_s"] for r in per_repeat)
+    spec_tps = statistics.median(r["spec_tokens_per_s"] for r in per_repeat)
+    report.update(
+        target_tokens_per_s=target_tps,
+        spec_tokens_per_s=spec_tps,
+        speedup=spec_tps / target_tps,
+        speedup_per_repeat=[r["speedup"] for r in per_repeat],
+        speedup_spread=spread([r["speedup"] for r in per_repeat]),
+        cost_ratio_c_spread=spread([r["cost_ratio_c"] for r in per_repeat]),
+    )
+    if report["predicted_speedup"]:
+        report["efficiency"] = report["speedup"] / report["predicted_speedup"]
+    report["greedy_match"] = sum(greedy_matches) / len(greedy_matches) if greedy_matches else None
+    report["per_category"] = {
+        cat: pair_metrics(t["target"], t["spec"], gamma, tree) for cat, t in sorted(per_cat.items())
+    }
+    if hf is not None:
+        report.update(hf.report(gamma))
+    return report

@@ -1,0 +1,106 @@
+"""Measure a (target, draft) pair: acceptance, tau, real speedup, and the speedup theory predicts.
+
+Speedup is spec tokens/s over target-only tokens/s on the same prompts, the same
+``max_new_tokens`` and stop rules, the same cache kind, after a warm-up, with the two decoders
+interleaved batch by batch and the median over repeats taken (``runs``). The baseline is
+``decoder.target_generate``, a KV-cached decoder at least as fast as ``transformers`` ``generate``
+(``benchmarks/decoder_vs_hf.py``), so the speedup is not inflated by a slow reference.
+
+In compiled mode (``DecodeOptions.compile``, by default on CUDA) both decoders run compiled, and
+the warm-up compiles and captures every graph before anything is timed: its seconds are reported
+as ``compile_s``, apart from every tokens/s.
+
+The cost ratios come from the same runs (``costs.step_costs``). With a token tree
+(``DecodeOptions.tree``) the report adds the nodes verified per round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from draftsmith.specdec.compiled import compiled_graphs
+from draftsmith.specdec.decoder import decodes_compiled
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.measure.baseline import Baseline, usable_baseline
+from draftsmith.specdec.measure.figures import report_from_repeats
+from draftsmith.specdec.measure.hf_compare import HFComparison, configure_assistant
+from draftsmith.specdec.measure.runs import PairRun, run_repeats, warm_up, warm_up_sizes
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.verify import tune_verify_widths
+
+
+def evaluate_pair(
+    target: PreTrainedModel,
+    draft: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: MeasureSettings,
+    *,
+    compare_hf: HFComparison | None = None,
+    tune_verify: bool = True,
+    baseline: Baseline | None = None,
+) -> dict:
+    """Run the baseline and the speculative decoder side by side; return the report as a dict.
+
+    settings: what is measured; ``settings.options`` is how the speculative decoder decodes (its
+    sampling is the baseline's too). baseline: target-only runs timed once for several drafts
+    (``baseline.measure_baseline``), used instead of timing the target here when they match these
+    settings (``baseline_shared`` in the report). compare_hf: stock copies of the pair to time
+    ``transformers`` on too; the assistant's generation config is set to draft ``options.gamma``
+    tokens per round (``configure_assistant``), and the rounds are checked. tune_verify: at batch size
+    1 and without widths in the options, pad verification passes to the widths
+    ``verify.tune_verify_widths`` finds faster on this machine. The report says whether the decoders
+    ran compiled (``compile``), and then the warm-up's seconds (``compile_s``) and the graphs it compiled.
+    """
+    if compare_hf is not None and settings.batch_size != 1:
+        raise DraftsmithError("--compare-hf needs --batch-size 1: transformers' assisted generation takes one sequence")
+    options = settings.options
+    compiled = decodes_compiled(target, draft, options)
+    options = dataclasses.replace(options, compile=compiled)  # the baseline decodes as the pair does
+    start, graphs = time.perf_counter(), compiled_graphs()
+    if tune_verify and settings.batch_size == 1 and not options.verify_widths and options.tree is None:
+        widths = tune_verify_widths(target, options.gamma + 1, compiled=compiled)
+        options = dataclasses.replace(options, verify_widths=widths)
+    settings = dataclasses.replace(settings, options=options)
+    pair = PairRun(target, draft, tokenizer, settings)
+    warm = pair.encode(settings.prompts[0], settings.prompts[0].turns[0])
+    warm_up(pair, warm, warm_up_sizes(settings, compiled))
+    compiled_report = {
+        "compile": compiled,
+        "compile_s": time.perf_counter() - start if compiled else None,
+        "compiled_graphs": compiled_graphs() - graphs if compiled else None,
+    }
+
+    if compare_hf is not None:
+        configure_assistant(compare_hf.assistant.generation_config, options.gamma)
+        HFComparison(compare_hf.target, compare_hf.assistant).time_prompt(warm, settings)  # warm-up, not counted
+    greedy_matches: list[bool] = []
+    shared = usable_baseline(baseline, settings)
+    repeat_tallies, per_cat = run_repeats(
+        pair, compare_hf, greedy_matches, baseline=shared.repeats if shared is not None else None
+    )
+    report = report_from_repeats(
+        repeat_tallies, per_cat, compare_hf, greedy_matches, options.gamma, tree=options.tree is not None
+    )
+    report.update(settings_report(settings), baseline_shared=shared is not None, **compiled_report)
+    return report
+
+
+def settings_report(settings: MeasureSettings) -> dict:
+    """The settings a report was measured under, as its keys give them."""
+    options = settings.options
+    return {
+        "gamma": options.gamma,
+        "tree": options.tree.text if options.tree is not None else None,
+        "batch_size": settings.batch_size,
+        "max_new_tokens": settings.max_new_tokens,
+        "repeats": settings.repeats,
+        "prompts": len(settings.prompts),
+        "temperature": options.sampling.temperature,
+        "top_k": options.sampling.top_k,
+        "top_p": options.sampling.top_p,
+        "verify_widths": {str(q): w for q, w in options.verify_widths.items()},
+    }

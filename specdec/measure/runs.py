@@ -1,0 +1,188 @@
+"""The pair runner: both decoders over every turn of every prompt, batch by batch, repeat by repeat.
+
+The target-only decoder (``decoder.target_generate``) and the speculative decoder run interleaved
+batch by batch with the same seed, so a load change on a shared machine hits both alike and, when
+sampling, both see the same draws. Batches never mix categories, so per-category timing is exact.
+A target-only baseline timed before (``baseline.measure_baseline``) can stand in for the target's
+runs; it is replayed in order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from draftsmith.specdec.decoder import DecodeStats, speculative_generate, target_generate
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.measure.hf_compare import HFComparison
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.tally import Tally
+from draftsmith.specdec.prompts import Prompt, check_length, encode_chat
+
+
+@dataclass
+class PairRun:
+    """The pair under measurement, the settings both decoders share, and the generator they draw from."""
+
+    target: PreTrainedModel
+    draft: torch.nn.Module | None  # None: the target-only baseline alone (``baseline.measure_baseline``)
+    tokenizer: PreTrainedTokenizerBase
+    settings: MeasureSettings
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator(device=self.target.device)
+
+    def encode(self, prompt: Prompt, history: list[dict]) -> list[int]:
+        ids = encode_chat(self.tokenizer, history, prompt.text if len(prompt.turns) == 1 else None)
+        check_length(ids, self.settings.max_new_tokens, self.target.config.max_position_embeddings, prompt.id)
+        return ids
+
+    def run_target(self, batch_ids: list[list[int]]) -> tuple[list[list[int]], DecodeStats]:
+        options = self.settings.options
+        return guard_memory(
+            lambda: target_generate(
+                self.target,
+                batch_ids,
+                self.settings.max_new_tokens,
+                sampling=options.sampling,
+                eos_ids=self.settings.eos_ids,
+                generator=self.generator,
+                cache_kind=options.cache_kind,
+                compile=options.compile,
+            ),
+            len(batch_ids),
+        )
+
+    def run_spec(self, batch_ids: list[list[int]]) -> tuple[list[list[int]], DecodeStats]:
+        return guard_memory(
+            lambda: speculative_generate(
+                self.target,
+                self.draft,
+                batch_ids,
+                self.settings.max_new_tokens,
+                options=self.settings.options,
+                eos_ids=self.settings.eos_ids,
+                generator=self.generator,
+            ),
+            len(batch_ids),
+        )
+
+
+def batches(prompts: list[Prompt], batch_size: int) -> list[list[int]]:
+    """Prompt indices grouped by category, then cut into batches (so per-category timing is exact)."""
+    by_category: dict[str, list[int]] = defaultdict(list)
+    for i, p in enumerate(prompts):
+        by_category[p.category].append(i)
+    cut = []
+    for indices in by_category.values():
+        cut += [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    return cut
+
+
+def warm_up_sizes(settings: MeasureSettings, compiled: bool) -> set[int]:
+    """The batch sizes a warm-up must run: every size the prompts' batches take when compiled (each
+    size is its own graphs), else the batch size alone."""
+    if not compiled:
+        return {settings.batch_size}
+    return {len(batch) for batch in batches(settings.prompts, settings.batch_size)}
+
+
+def warm_up(pair: PairRun, ids: list[int], batch_sizes: set[int]) -> None:
+    """Both decoders (the target alone without a draft) on ``ids`` at each of ``batch_sizes``: the first
+    calls pay for allocator growth and kernel selection, and in compiled mode for compiling and
+    capturing the graphs of each batch size."""
+    for size in sorted(batch_sizes):
+        pair.generator.manual_seed(pair.settings.seed)
+        pair.run_target([ids] * size)
+        if pair.draft is not None:
+            pair.run_spec([ids] * size)
+
+
+def run_repeats(
+    pair: PairRun,
+    hf: HFComparison | None = None,
+    greedy_matches: list[bool] | None = None,
+    baseline: list[Tally] | None = None,
+) -> tuple[list[dict[str, Tally]], dict[str, dict[str, Tally]]]:
+    """Every repeat (``run_repeat``) under one progress bar: each repeat's tallies, and the tallies per
+    category over all of them. The first repeat records greedy identity. baseline: the target-only
+    runs of each repeat, timed before (``Baseline.repeats``)."""
+    settings = pair.settings
+    prompts = settings.prompts
+    per_cat: dict[str, dict[str, Tally]] = defaultdict(lambda: {"target": Tally(), "spec": Tally()})
+    total = settings.repeats * max(len(p.turns) for p in prompts) * len(batches(prompts, settings.batch_size))
+    desc = "eval" if pair.draft is not None else "target-only baseline"
+    with tqdm(total=total, desc=desc, disable=not settings.progress, unit="batch") as bar:
+        tallies = [
+            run_repeat(
+                pair,
+                settings.seed + rep,
+                per_cat,
+                hf,
+                greedy_matches if rep == 0 else None,
+                bar,
+                baseline=baseline[rep] if baseline is not None else None,
+            )
+            for rep in range(settings.repeats)
+        ]
+    return tallies, per_cat
+
+
+def run_repeat(
+    pair: PairRun,
+    seed: int,
+    per_cat: dict[str, dict[str, Tally]],
+    hf: HFComparison | None,
+    greedy_matches: list[bool] | None,
+    bar: tqdm,
+    baseline: Tally | None = None,
+) -> dict[str, Tally]:
+    """One pass over every turn of every prompt, both decoders batch by batch; later turns see the
+    target's earlier answers. Returns this repeat's tallies; also adds to ``per_cat`` and ``hf``,
+    and appends to ``greedy_matches`` (when given, in greedy runs) whether each output is the target's.
+    baseline: this repeat's target-only runs timed before, taken in order instead of running the target."""
+    prompts = pair.settings.prompts
+    replay = iter(zip(baseline.outputs, baseline.stats, strict=True)) if baseline is not None else None
+    tally = {"target": Tally(), "spec": Tally()}
+    answers: dict[int, list[dict]] = {i: [] for i in range(len(prompts))}  # conversation so far
+    for turn in range(max(len(p.turns) for p in prompts)):
+        todo = [p for p in range(len(prompts)) if len(prompts[p].turns) > turn]
+        for batch in batches([prompts[i] for i in todo], pair.settings.batch_size):
+            indices = [todo[i] for i in batch]
+            ids = [pair.encode(prompts[i], answers[i] + prompts[i].turns[turn]) for i in indices]
+            # Same seed for both decoders: with sampling, the pair sees the same draws.
+            pair.generator.manual_seed(seed)
+            base_out, base_stats = next(replay) if replay is not None else pair.run_target(ids)
+            pair.generator.manual_seed(seed)
+            spec_out, spec_stats = pair.run_spec(ids) if pair.draft is not None else (None, None)
+            category = prompts[indices[0]].category
+            tally["target"].outputs.append(base_out)
+            for name, stats in (("target", base_stats), ("spec", spec_stats)):
+                if stats is not None:
+                    tally[name].add(stats)
+                    per_cat[category][name].add(stats)
+            for row, i in enumerate(indices):
+                if greedy_matches is not None and spec_out is not None and pair.settings.options.sampling.greedy:
+                    greedy_matches.append(spec_out[row] == base_out[row])
+                reply = pair.tokenizer.decode(base_out[row], skip_special_tokens=True)
+                answers[i] = answers[i] + prompts[i].turns[turn] + [{"role": "assistant", "content": reply}]
+            for row_ids in ids if hf is not None else []:
+                hf.time_prompt(row_ids, pair.settings)
+            bar.update(1)
+            bar.set_postfix(speedup=f"{tally['spec'].tokens_per_s / max(tally['target'].tokens_per_s, 1e-9):.2f}")
+    return tally
+
+
+def guard_memory(run, batch_size: int):
+    """``run()``, turning an out-of-memory error into advice on the batch size."""
+    try:
+        return run()
+    except torch.OutOfMemoryError as err:
+        raise DraftsmithError(
+            f"out of memory at batch size {batch_size}; try --batch-size {max(1, batch_size // 2)}"
+        ) from err

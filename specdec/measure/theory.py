@@ -1,0 +1,58 @@
+"""What theory predicts: the speedup of chain and token-tree rounds, and the per-position alpha behind a tau.
+
+Leviathan et al. 2023 (Theorem 3.8): with per-position acceptance alpha, gamma draft tokens per
+round, a draft step costing c target single-token steps and a verification forward costing v, a
+round emits ``(1 - alpha^(gamma+1)) / (1 - alpha)`` tokens for ``gamma c + v`` steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+from draftsmith.specdec.decoder import DecodeStats
+
+
+def predicted_speedup(alpha: float, gamma: float, c: float, v: float = 1.0) -> float:
+    """Expected speedup ``(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + v))``.
+
+    Leviathan et al. 2023, Theorem 3.8 (there ``v = 1``); ``v`` is the cost of the verification
+    forward over gamma+1 tokens in single-token steps. At ``alpha = 1`` the limit is ``(gamma+1) / (gamma c + v)``.
+    """
+    expected_tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return expected_tokens / (gamma * c + v)
+
+
+def predicted_tree_speedup(spec: DecodeStats, c: float, v: float, calls: int) -> float | None:
+    """Expected speedup of token-tree rounds: tau tokens per round for the round's draft forwards
+    (one per level, each c single-token target steps) and one verification (v steps).
+
+    There is no closed form in alpha as for chains (which tokens a tree offers depends on the draft's
+    whole distribution), so tau is the measured one; ``spec`` sums ``calls`` decoding calls, whose
+    draft prefills are not steps."""
+    tau = spec.mean_accepted_tokens
+    if tau is None or not spec.rounds or math.isnan(c) or math.isnan(v):
+        return None
+    draft_steps = (spec.draft_forwards - calls) / spec.rounds
+    return tau / (draft_steps * c + v)
+
+
+def alpha_from_tau(tau: float, gamma: int) -> float:
+    """The per-position acceptance rate a that gives ``tau = (1 - a^(gamma+1)) / (1 - a)`` tokens per round.
+
+    The measured acceptance rate (accepted / proposed) counts the draft tokens after the first
+    rejection of a round as proposed, so for gamma > 1 it is lower than the chance that one
+    position is accepted; this inverts the i.i.d. model of Leviathan et al. instead (bisection).
+    At gamma = 1 both are the same number.
+    """
+    if tau <= 1.0:
+        return 0.0
+    if tau >= gamma + 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if (1 - mid ** (gamma + 1)) / (1 - mid) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
