@@ -269,6 +269,20 @@ def cached_target_responses(
     return responses
 
 
+def length_buckets(order: list[int], lengths: list[int], batch_size: int, window: int) -> list[list[int]]:
+    """Batches of examples of similar lengths: ``order`` cut into windows of ``window`` batches, each
+    window sorted by length (stably) and cut into batches of ``batch_size``; only the last may be short.
+
+    A batch pads to its longest sequence, so sorting within windows of a shuffled order leaves little
+    padding while every epoch's shuffle still mixes different examples into each batch."""
+    span = batch_size * window
+    batches = []
+    for start in range(0, len(order), span):
+        chunk = sorted(order[start : start + span], key=lengths.__getitem__)
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return batches
+
+
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a list of examples: input_ids (B, T), attention_mask (B, T), loss_mask (B, T) bool."""
     width = max(len(e["input_ids"]) for e in examples)

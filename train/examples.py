@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill import data as ddata
@@ -156,16 +157,43 @@ class EpochSampler(Sampler[int]):
         yield from order.tolist()
 
 
+class LengthBucketSampler(BatchSampler):
+    """Length-bucketed batches (``data.length_buckets``) whose order is a function of (seed, epoch)
+    alone, like ``EpochSampler``'s, so a resumed run skipping the batches done sees the same ones.
+
+    The windows cut the epoch's ``EpochSampler`` order; the batches are then shuffled with a generator
+    seeded by the seed and the epoch (else the short sequences would come first). accelerate finds
+    the epoch's setter on ``sampler``."""
+
+    def __init__(self, lengths: list[int], batch_size: int, window: int, seed: int):
+        super().__init__(EpochSampler(len(lengths), seed), batch_size, drop_last=False)
+        self.lengths, self.window = lengths, window
+
+    def __iter__(self):
+        batches = ddata.length_buckets(list(self.sampler), self.lengths, self.batch_size, self.window)
+        generator = torch.Generator().manual_seed(self.sampler.seed * 1_000_003 + self.sampler.epoch)
+        for i in torch.randperm(len(batches), generator=generator).tolist():
+            yield batches[i]
+
+
 def loaders(cfg: DistillConfig, train_examples: list[dict], heldout: list[dict], pad: int) -> tuple[DataLoader, ...]:
-    """(training loader, shuffled per epoch with the run's seed; held-out loader)."""
-    train_loader = DataLoader(
-        train_examples,
-        batch_size=cfg.batch_size,
-        sampler=EpochSampler(len(train_examples), cfg.seed),
-        drop_last=False,
-        collate_fn=lambda b: ddata.collate(b, pad),
-    )
-    held_loader = DataLoader(heldout, batch_size=cfg.batch_size, collate_fn=lambda b: ddata.collate(b, pad))
+    """(training loader, shuffled per epoch with the run's seed, length-bucketed with ``bucket_batches``;
+    held-out loader, sorted by length: its mean alpha does not depend on the order, its padding does)."""
+    collate = functools.partial(ddata.collate, pad_id=pad)
+    if cfg.bucket_batches:
+        lengths = [len(e["input_ids"]) for e in train_examples]
+        batches = LengthBucketSampler(lengths, cfg.batch_size, cfg.bucket_batches, cfg.seed)
+        train_loader = DataLoader(train_examples, batch_sampler=batches, collate_fn=collate)
+    else:
+        train_loader = DataLoader(
+            train_examples,
+            batch_size=cfg.batch_size,
+            sampler=EpochSampler(len(train_examples), cfg.seed),
+            drop_last=False,
+            collate_fn=collate,
+        )
+    by_length = sorted(heldout, key=lambda e: len(e["input_ids"]))
+    held_loader = DataLoader(by_length, batch_size=cfg.batch_size, collate_fn=collate)
     return train_loader, held_loader
 
 

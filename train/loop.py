@@ -39,7 +39,7 @@ from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import eos_token_ids, resolve_device
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.timing import eval_mode
-from draftsmith.train import checkpoint, speedup
+from draftsmith.train import checkpoint, cpu_setup, speedup
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, save_config
 from draftsmith.train.examples import Teacher, build_examples, generation, loaders, teacher
 from draftsmith.train.models import build_models, in_dtype_of, mixed_precision
@@ -134,6 +134,7 @@ def setup(cfg: DistillConfig) -> Run:
     """Everything a run needs, then either resume from its last checkpoint or start (step-0 metrics, ``initial/``)."""
     device = resolve_device(None if cfg.device == "auto" else cfg.device)
     accelerator = make_accelerator(cfg, device)
+    print0(accelerator, cpu_setup.set_up_host(cpu_setup.local_processes(accelerator.num_processes)))
     set_seed(cfg.seed)
     run_dir = Path(cfg.output_dir)
     resume_from = checkpoint.resume_point(run_dir, cfg, record=accelerator.is_main_process)
