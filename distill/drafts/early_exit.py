@@ -33,10 +33,10 @@ from draftsmith.specdec.compiled import resolve_compile
 from draftsmith.specdec.decoder import standalone_pair
 from draftsmith.specdec.drafters import Proposal, Verification, draft_step, stack_proposal
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.measure.clock import Clock
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.self_spec import UpperLayersVerifier, crop_to, run_layers, two_rows
 from draftsmith.specdec.stream import decoding_threads, needs_row_padding, standard_strides_into_head
-from draftsmith.specdec.timing import Clock
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.specdec.tree_drafting import Tree
 from draftsmith.specdec.verify import TargetVerifier

@@ -26,8 +26,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill.drafts.kind import DraftSettings, Serving, check_options
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.hf_compare import configure_assistant
 from draftsmith.specdec.loading import check_compatible, load_model, load_tokenizer
+from draftsmith.specdec.measure.hf_compare import configure_assistant
 
 
 def parse_layers(spec: int | str | Sequence[int], num_layers: int) -> list[int]:
