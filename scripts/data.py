@@ -45,7 +45,7 @@ from draftsmith.specdec.loading import (
 )
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.vllm_client import served_model
-from draftsmith.specdec.vllm_server import connect, serve
+from draftsmith.specdec.vllm_server import ServeOptions, connect, serve
 
 EPILOG = f"""prompt sources (--prompts):
   self       the target writes user messages itself (--num-prompts of them; --topics to steer the mix)
@@ -180,12 +180,17 @@ def generation_engine(
         server = connect(args.engine_url)
         yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
         return
-    options = {"threads": args.engine_threads, "eager": args.engine_eager, "kv_cache_gib": args.engine_kv_cache_gib}
-    options["prefix_caching"] = True
-    options["max_logprobs"] = args.teacher_cache  # None: vLLM's default
-    with serve(
-        args.target, dtype=str(dtype).removeprefix("torch."), device=str(device), seed=args.seed, **options
-    ) as server:
+    options = ServeOptions(
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        threads=args.engine_threads,
+        kv_cache_gib=args.engine_kv_cache_gib,
+        eager=args.engine_eager,
+        prefix_caching=True,
+        max_logprobs=args.teacher_cache,  # None: vLLM's default
+        seed=args.seed,
+    )
+    with serve(args.target, options) as server:
         yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
 
 

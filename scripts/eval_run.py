@@ -15,7 +15,7 @@ from draftsmith.options import (
     prompt_options,
 )
 from draftsmith.specdec.tree import TreeShape
-from draftsmith.train.eval_run import evaluate_run
+from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 
 EPILOG = """Writes RUN_DIR/speedup_report.json, speedup_report.md, speedup.png and best.json.
 Drafts already measured (same prompts, gammas, tokens) are not measured again unless --force.
@@ -62,21 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     engine_batch_sizes = check_engine_eval_options(args, {})
     run_dir = Path(args.run_dir)
-    report = evaluate_run(
-        run_dir,
+    settings = RunEvalSettings(
         args.prompts,
         gammas=parse_list(args.gammas, int, "gammas"),
         temperatures=parse_list(args.temperatures, float, "temperatures"),
+        trees=tuple(TreeShape.parse(shape, "--trees") for shape in args.trees),
         max_new_tokens=args.max_new_tokens,
         limit=args.limit,
         repeats=args.repeats,
         force=args.force,
         device=args.device,
-        progress=not args.no_progress,
         dtype=args.dtype,
         draft_vocab_size=args.draft_vocab,
-        trees=[TreeShape.parse(shape, "--trees") for shape in args.trees],
+        progress=not args.no_progress,
     )
+    report = evaluate_run(run_dir, settings)
     print((run_dir / "speedup_report.md").read_text())
     print(f"best draft: {report['best']} (written to {run_dir / 'best.json'})")
     if engine_batch_sizes:  # --engine vllm: the best draft in vLLM beside the bundled decoder

@@ -16,7 +16,7 @@ from draftsmith.options import draft_vocab_option, gammas_option, parse_list, pr
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.train import checkpoint
 from draftsmith.train.config import DistillConfig, config_path, load_config
-from draftsmith.train.eval_run import evaluate_run
+from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 from draftsmith.train.loop import train
 from draftsmith.train.publish import publish
 
@@ -51,15 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     if not checkpoint.is_complete(run_dir / f"checkpoint-{cfg.max_steps}"):
         train(cfg)
     print(f"[2/3] measuring the real speedup of every checkpoint on {args.prompts}")
-    report = evaluate_run(
-        run_dir,
+    settings = RunEvalSettings(
         args.prompts,
         gammas=parse_list(args.gammas, int, "gammas"),
-        temperatures=[0.0],
         max_new_tokens=args.max_new_tokens,
         limit=args.limit,
         draft_vocab_size=args.draft_vocab,
     )
+    report = evaluate_run(run_dir, settings)
     best = report["best"]
     if best is None:
         raise DraftsmithError(f"no draft of {run_dir} could be measured")
