@@ -24,7 +24,7 @@ class DecodeOptions:
     verify_widths: run a verification over q tokens as one over ``verify_widths[q] >= q`` tokens,
         the extra inputs padding after the real ones (some CPU BLAS libraries are slower for 2-3
         rows than for 4; ``verify.tune_verify_widths`` measures it). Exact either way.
-    kv_reuse: a draft made of the target's first layers (``self_spec.EarlyExit``) shares the
+    kv_reuse: a draft made of the target's first layers (the early-exit kind) shares the
         target's cache, and verification runs only the target's remaining layers.
     tree: draft a token tree of this shape each round instead of a chain (``tree_drafting``); then
         ``gamma`` and ``verify_widths`` are not used (the tree's depth takes gamma's place), and

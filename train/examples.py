@@ -204,6 +204,7 @@ def teacher(
     pad: int,
     accelerator: Accelerator,
     head_ids: torch.Tensor | None = None,
+    layers: tuple[int, ...] = (),
 ) -> Teacher:
     """The function that gives the teacher at a batch's loss rows: the target's forward, or the top-k cache.
 
@@ -212,17 +213,19 @@ def teacher(
     target's log-probs at the loss temperature at the rows, over its full vocabulary (M, V) or, with
     ``head_ids`` (N,) (the draft's head cut), on those tokens (M, N), normalized over the full
     vocabulary; for forward KL with a cut head the live target's are the kept logits at temperature
-    (forward KL renormalizes over the kept tokens, so their full normalizer is never computed)."""
+    (forward KL renormalizes over the kept tokens, so their full normalizer is never computed).
+    layers: target layers whose entering hidden states (B, T, H) the draft's kind reads, from the same
+    forward (with the cache, the target's decoder still runs for them, its head does not)."""
     train_examples, heldout = examples
     vocab, temperature = target.config.vocab_size, cfg.loss_temperature
     if not cfg.teacher_cache:
         full_normalizer = cfg.loss != "forward_kl"
 
         def live(batch: dict, rows: torch.Tensor) -> TeacherRows:
-            hidden = vocab_cut.target_rows(target, batch, rows).hidden  # (M, H)
-            log_probs = vocab_cut.head_log_probs(target, hidden, head_ids, temperature, full_normalizer)
+            out = vocab_cut.target_rows(target, batch, rows, layers)  # hidden (M, H)
+            log_probs = vocab_cut.head_log_probs(target, out.hidden, head_ids, temperature, full_normalizer)
             # .to(): a target spread with teacher_device_map computes on its last device
-            return TeacherRows(log_probs.to(accelerator.device))
+            return TeacherRows(log_probs.to(accelerator.device), out.layers)
 
         return live
     entries = dataset_teacher_entries(cfg, target, train_examples, accelerator)
@@ -244,8 +247,9 @@ def teacher(
 
     def cached(batch: dict, rows: torch.Tensor) -> TeacherRows:
         batch_entries = [entries[i] for i in batch["index"].tolist()]
+        hidden = vocab_cut.target_rows(target, batch, rows, layers).layers if layers else None
         return TeacherRows(
-            teacher_cache.rows_teacher_log_probs(batch_entries, rows.device, vocab, head_ids, temperature)
+            teacher_cache.rows_teacher_log_probs(batch_entries, rows.device, vocab, head_ids, temperature), hidden
         )
 
     return cached

@@ -29,19 +29,22 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_sc
 
 from draftsmith.distill import data as ddata
 from draftsmith.distill import vocab_cut
-from draftsmith.distill.draft_init import count_parameters
+from draftsmith.distill.drafts import kind_named, lm
+from draftsmith.distill.drafts.kind import Batch, DraftKind, Predictions
+from draftsmith.distill.drafts.lm import count_parameters
 from draftsmith.distill.losses import row_acceptance, row_cross_entropy, row_token_losses
 from draftsmith.distill.on_policy import OnPolicyMixer, example_prompt
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.evaluate import measure_cost_ratio
 from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import eos_token_ids, resolve_device
+from draftsmith.specdec.measure.clock import eval_mode
+from draftsmith.specdec.measure.costs import measure_cost_ratio
+from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.prompts import read_prompts
-from draftsmith.specdec.timing import eval_mode
 from draftsmith.train import checkpoint, cpu_setup, speedup
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, save_config
-from draftsmith.train.examples import Teacher, build_examples, generation, loaders, teacher
+from draftsmith.train.examples import Teacher, TeacherRows, build_examples, generation, loaders, teacher
 from draftsmith.train.models import build_models, in_dtype_of, mixed_precision
 
 LOGS = ("metrics.jsonl", "losses.jsonl", "speedup.jsonl")  # one JSON record per line, each with its "step"
@@ -50,11 +53,12 @@ LOGS = ("metrics.jsonl", "losses.jsonl", "speedup.jsonl")  # one JSON record per
 @dataclass
 class LossHead:
     """Where a training forward applies the draft's head: the unwrapped draft, at the loss rows, over
-    the kept token ids of a cut head (None: the full head)."""
+    the kept token ids of a cut head (None: the full head); the draft's kind runs the forward."""
 
     model: torch.nn.Module  # the draft unwrapped (a DDP wrapper calls its head)
     ids: torch.Tensor | None  # (N,)
     vocab_size: int
+    kind: DraftKind = lm.KIND
 
 
 @dataclass
@@ -149,7 +153,8 @@ def setup(cfg: DistillConfig) -> Run:
     describe(accelerator, draft, target, len(train_examples), head_ids)
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    teacher_logits = teacher(cfg, target, (train_examples, heldout_examples), pad, accelerator, head_ids)
+    layers = kind_named(cfg.draft_kind).teacher_layers(draft)
+    teacher_logits = teacher(cfg, target, (train_examples, heldout_examples), pad, accelerator, head_ids, layers)
     loader, heldout = loaders(cfg, train_examples, heldout_examples, pad)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -229,7 +234,8 @@ def decoding_draft(draft, head_ids: torch.Tensor | None):
 
 def loss_head(run: Run) -> LossHead:
     """How this run's training forwards apply the draft's head: at the loss rows, full or cut."""
-    return LossHead(run.accelerator.unwrap_model(run.draft), run.head_ids, run.target.config.vocab_size)
+    model = run.accelerator.unwrap_model(run.draft)
+    return LossHead(model, run.head_ids, run.target.config.vocab_size, kind_named(run.cfg.draft_kind))
 
 
 def describe(accelerator: Accelerator, draft, target, n_examples: int, head_ids: torch.Tensor | None) -> None:
@@ -285,7 +291,7 @@ def start(run: Run) -> None:
     if accelerator.is_main_process:
         for name in LOGS[:2]:
             (run.run_dir / name).unlink(missing_ok=True)
-    heldout = heldout_metrics(run.draft, run.target, run.heldout, accelerator, run.head_ids)
+    heldout = heldout_metrics(run.draft, run.target, run.heldout, accelerator, loss_head(run))
     run.last_metrics = {"step": 0, **heldout}
     state = accelerator.get_state_dict(run.draft)  # a collective: every process takes part
     if accelerator.is_main_process:
@@ -311,18 +317,30 @@ def distill_step_loss(cfg: DistillConfig, draft, teacher_rows: Teacher, batch: d
     mask = batch["loss_mask"]  # (B, T)
     rows = vocab_cut.loss_rows(mask)  # (M,)
     with torch.no_grad():
-        teacher_out = teacher_rows(batch, rows).log_probs  # (M, V), or (M, N) with a cut head
-    with vocab_cut.loss_rows_head(head.model, rows, head.ids):
-        student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        teacher = teacher_rows(batch, rows)  # log_probs (M, V), or (M, N) with a cut head
+    predicted = draft_predictions(draft, batch, rows, teacher, head)  # logits (R, N or V)
+    teacher_out, at = teacher.log_probs, rows
+    if predicted.teacher_rows is not None:  # several predictions per loss row (steps ahead)
+        teacher_out, at = teacher_out.index_select(0, predicted.teacher_rows), rows[predicted.teacher_rows]
     losses = row_token_losses(
-        cfg.loss, student, teacher_out, mask, rows, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma
-    )  # (M,)
+        cfg.loss, predicted.logits, teacher_out, mask, at, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma
+    )  # (R,)
     if cfg.ce_weight:
-        labels = batch["input_ids"].roll(-1, dims=1).flatten().index_select(0, rows)  # (M,): the next tokens
+        labels = batch["input_ids"].roll(-1, dims=1).flatten().index_select(0, at)  # (R,): the next tokens
         if head.ids is not None:
             labels = vocab_cut.subset_labels(labels, head.ids, head.vocab_size)
-        losses = (1 - cfg.ce_weight) * losses + cfg.ce_weight * row_cross_entropy(student, labels)
+        losses = (1 - cfg.ce_weight) * losses + cfg.ce_weight * row_cross_entropy(predicted.logits, labels)
+    if predicted.weights is not None:
+        losses = losses * predicted.weights
     return losses.sum()
+
+
+def draft_predictions(draft, batch: dict, rows: torch.Tensor, teacher: TeacherRows, head: LossHead) -> Predictions:
+    """The draft's predictions at the loss rows, by its kind's training forward."""
+    kind_batch = Batch(
+        batch["input_ids"], batch["attention_mask"], batch["loss_mask"], rows, head.ids, teacher.hidden or {}
+    )
+    return head.kind.training_forward(draft, head.model, kind_batch)
 
 
 def train_step(run: Run, micro: list[dict]) -> tuple[float, int]:
@@ -373,7 +391,7 @@ def on_step_end(run: Run, loss: float, tokens: int) -> None:
 def log_heldout(run: Run) -> None:
     """Held-out acceptance next to the loss, learning rate and throughput since the last record."""
     elapsed = time.perf_counter() - run.window_start  # training time only, before the held-out evaluation
-    metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator, run.head_ids)
+    metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator, loss_head(run))
     run.last_metrics = {
         "step": run.step,
         "loss": run.window_loss / (run.step % run.cfg.log_steps or run.cfg.log_steps),
@@ -417,21 +435,23 @@ def summarize(run: Run) -> None:
 
 
 @torch.no_grad()
-def heldout_metrics(draft, target, loader, accelerator: Accelerator, head_ids: torch.Tensor | None = None) -> dict:
+def heldout_metrics(draft, target, loader, accelerator: Accelerator, head: LossHead) -> dict:
     """Mean acceptance probability sum_x min(p, q) and TVD over held-out tokens, synced across processes.
 
-    Exact over the target's full vocabulary, with both heads at the loss rows only; with ``head_ids``
-    the draft's q is the cut head's (zero outside those tokens), as it decodes."""
+    Exact over the target's full vocabulary, with both heads at the loss rows only; with a cut head
+    (``head.ids``) the draft's q is the cut head's (zero outside those tokens), as it decodes. A kind
+    that predicts several steps ahead is measured on its first step (the next token)."""
     alpha = torchmetrics.MeanMetric().to(accelerator.device)
-    model = accelerator.unwrap_model(draft)
+    layers = head.kind.teacher_layers(head.model)
     was_training = draft.training
     draft.eval()
     for batch in loader:
         rows = vocab_cut.loss_rows(batch["loss_mask"])  # (M,)
-        hidden = vocab_cut.target_rows(target, batch, rows).hidden  # (M, H)
-        p = vocab_cut.head_log_probs(target, hidden, head_ids).to(accelerator.device)  # (M, N or V), at temperature 1
-        with vocab_cut.loss_rows_head(model, rows, head_ids):
-            q = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        target_out = vocab_cut.target_rows(target, batch, rows, layers)
+        p = vocab_cut.head_log_probs(target, target_out.hidden, head.ids).to(accelerator.device)  # (M, N or V)
+        teacher = TeacherRows(p, target_out.layers)
+        predicted = draft_predictions(draft, batch, rows, teacher, head)
+        q = predicted.logits if predicted.teacher_rows is None else predicted.logits[: len(rows)]  # step 0 first
         a = row_acceptance(q, p)  # (M,)
         alpha.update(a, weight=torch.ones_like(a))
     draft.train(was_training)
@@ -447,17 +467,14 @@ def measure_speedup(run: Run) -> None:
         prompts = read_prompts(prompts_file)[: cfg.eval_limit]
         model = decoding_draft(in_dtype_of(run.accelerator.unwrap_model(run.draft), target), run.head_ids)
         with eval_mode(model):
-            result = speedup.measure_draft(
-                target,
-                model,
-                tokenizer,
+            settings = MeasureSettings(
                 prompts,
-                gammas=cfg.eval_gammas,
-                temperature=0.0,
-                eos_ids=eos_token_ids(target, tokenizer),
                 max_new_tokens=cfg.eval_max_new_tokens,
+                eos_ids=eos_token_ids(target, tokenizer),
+                repeats=1,
                 progress=False,
             )
+            result = speedup.measure_draft(target, model, tokenizer, settings, cfg.eval_gammas)
         record = {
             "step": run.step,
             "speedup": result["speedup"],

@@ -26,7 +26,8 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from draftsmith.distill.drafts.kind import DraftSettings, Serving, check_options, layer_count
+from draftsmith.distill import vocab_cut
+from draftsmith.distill.drafts.kind import Batch, DraftSettings, Predictions, Serving, check_options, layer_count
 from draftsmith.specdec.attention import use_exact_attention
 from draftsmith.specdec.cache import SlotCache, select_batch
 from draftsmith.specdec.compiled import resolve_compile
@@ -353,10 +354,11 @@ class EarlyExitKind:
     def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
         return ()
 
-    def training_logits(
-        self, draft: torch.nn.Module, batch: dict, teacher_hidden: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
-        return draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
+        """Its own causal-LM forward, the head run at the loss rows only (cut to ``batch.head_ids``)."""
+        with vocab_cut.loss_rows_head(model, batch.rows, batch.head_ids):
+            logits = draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        return Predictions(logits)  # (M, N or V)
 
     def save(self, draft: EarlyExitDraft, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
         draft.save(folder, target_name)

@@ -56,6 +56,44 @@ class DraftSettings:
     teacher_dtype: str = "auto"
 
 
+@dataclass
+class Batch:
+    """A training micro-batch as a kind's training forward sees it.
+
+    input_ids, attention_mask, loss_mask: (B, T). rows: (M,) the flat indices into (B, T) of the
+    loss positions, row-major (the teacher's distributions come at these rows, in this order).
+    head_ids: (N,) the tokens of a cut head (``train_draft_vocab``), None for the full head; the
+    logits then cover those N tokens. teacher_hidden: {layer i: (B, T, H)} the residual stream
+    entering target layer i at every position, for the layers ``teacher_layers`` named, from the
+    same target forward that gives the teacher's distributions ({} when none were asked for).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    rows: torch.Tensor
+    head_ids: torch.Tensor | None = None
+    teacher_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Predictions:
+    """What a kind's training forward predicts, compared with the teacher's distributions.
+
+    logits: (R, N or V) the draft's logits. teacher_rows: (R,) for each prediction, the index into
+    ``Batch.rows`` of the teacher distribution it is compared with (a kind that predicts several
+    tokens ahead, or unrolls several steps, compares its j-th step with the teacher j positions
+    on); None: R = M, one prediction per loss row, in order. With ``teacher_rows``, the first M
+    predictions are still the next-token ones at the loss rows, in order (held-out alpha reads
+    them). weights: (R,) each prediction's weight in the loss sum (None: 1 each); the loss is still
+    divided by the count of loss tokens.
+    """
+
+    logits: torch.Tensor
+    teacher_rows: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
 class DraftKind(Protocol):
     """The calls a kind module answers (one object per module, registered in ``distill.drafts``)."""
 
@@ -81,11 +119,12 @@ class DraftKind(Protocol):
         """Target layers whose entering hidden states the training forward reads (() for none)."""
         ...
 
-    def training_logits(
-        self, draft: torch.nn.Module, batch: dict, teacher_hidden: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
-        """The draft's logits (B, T, V) for a batch (``input_ids``, ``attention_mask``), through its
-        own forward (a DDP wrapper stays in the call), given the teacher's hidden states it asked for."""
+    def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
+        """The draft's predictions for a training batch, at its loss rows (``batch.rows``) only.
+
+        draft: the draft as accelerate prepared it (call its forward through it, so that a DDP or FSDP
+        wrapper takes part); model: the same draft unwrapped (to swap its head, e.g. with
+        ``vocab_cut.loss_rows_head``)."""
         ...
 
     def save(self, draft: torch.nn.Module, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:

@@ -24,7 +24,8 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.distill.drafts.kind import DraftSettings, Serving, check_options
+from draftsmith.distill import vocab_cut
+from draftsmith.distill.drafts.kind import Batch, DraftSettings, Predictions, Serving, check_options
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import check_compatible, load_model, load_tokenizer
 from draftsmith.specdec.measure.hf_compare import configure_assistant
@@ -170,10 +171,11 @@ class LMKind:
     def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
         return ()
 
-    def training_logits(
-        self, draft: torch.nn.Module, batch: dict, teacher_hidden: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
-        return draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
+        """Its own causal-LM forward, the head run at the loss rows only (cut to ``batch.head_ids``)."""
+        with vocab_cut.loss_rows_head(model, batch.rows, batch.head_ids):
+            logits = draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        return Predictions(logits)  # (M, N or V)
 
     def save(self, draft: torch.nn.Module, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
         if isinstance(draft, PeftModel):

@@ -150,7 +150,7 @@ def test_heldout_alpha_at_the_rows_equals_the_full_vocabulary_formula(models, cu
     if cut:
         q = torch.full_like(q, float("-inf")).index_copy(-1, IDS, q[..., IDS])  # the cut draft as it decodes
     expected = acceptance_probability(q, p)[batch["loss_mask"]].mean()
-    got = heldout_metrics(draft, target, [batch], Accelerator(cpu=True), ids)
+    got = heldout_metrics(draft, target, [batch], Accelerator(cpu=True), LossHead(draft, ids, target.config.vocab_size))
     assert got["acceptance_rate"] == pytest.approx(float(expected), abs=1e-6)
     assert 0.05 < got["acceptance_rate"] < 0.95
     assert draft.training
@@ -158,12 +158,16 @@ def test_heldout_alpha_at_the_rows_equals_the_full_vocabulary_formula(models, cu
 
 def test_teacher_cache_built_at_the_rows_holds_the_top_k_of_the_full_log_softmax(models, tmp_path):
     target, _ = models
-    folder = teacher_cache.build(target, EXAMPLES, tmp_path / "cache", top_k=5, batch_size=3, pad_id=PAD, progress=False)
+    folder = teacher_cache.build(
+        target, EXAMPLES, tmp_path / "cache", top_k=5, batch_size=3, pad_id=PAD, progress=False
+    )
     entries = teacher_cache.load(folder)
     for example, (ids, logps) in zip(EXAMPLES, entries, strict=True):
         tokens = torch.tensor([example["input_ids"]])
         with torch.no_grad():
-            log_p = torch.log_softmax(target(tokens).logits[0], -1)[torch.tensor(example["loss_mask"], dtype=torch.bool)]
+            log_p = torch.log_softmax(target(tokens).logits[0], -1)[
+                torch.tensor(example["loss_mask"], dtype=torch.bool)
+            ]
         top = torch.topk(log_p, 5, dim=-1)
         assert ids.shape == (sum(example["loss_mask"]), 5)
         assert torch.equal(ids, top.indices)

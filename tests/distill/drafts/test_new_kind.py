@@ -21,7 +21,7 @@ from torch import nn
 
 from draftsmith.cli import main
 from draftsmith.distill import drafts
-from draftsmith.distill.drafts.kind import DraftSettings, Serving, check_options
+from draftsmith.distill.drafts.kind import Batch, DraftSettings, Predictions, Serving, check_options
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.drafters import Proposal, Verification, draft_step, stack_proposal
 from draftsmith.specdec.options import DecodeOptions
@@ -114,11 +114,13 @@ class LastStateKind:
     def teacher_layers(self, draft):
         return (draft.layer,)
 
-    def training_logits(self, draft, batch, teacher_hidden):
-        (hidden,) = teacher_hidden.values()  # (B, T, H): the one layer this kind asked for
-        # The state at t - 1 predicts the token at t + 1, which the teacher's distribution at t is about.
-        ahead = draft(hidden[:, :-1])  # (B, T-1, V)
-        return torch.cat([torch.zeros_like(ahead[:, :1]), ahead], 1)  # (B, T, V); position 0 is a prompt's
+    def training_forward(self, draft, model, batch: Batch) -> Predictions:
+        (hidden,) = batch.teacher_hidden.values()  # (B, T, H): the one layer this kind asked for
+        # The state at t - 1 predicts the token at t + 1, which the teacher's distribution at t is
+        # about; every loss row is an answer token, never a sequence's first.
+        before = hidden.flatten(0, 1).index_select(0, batch.rows - 1)  # (M, H)
+        logits = draft(before)  # (M, V)
+        return Predictions(logits if batch.head_ids is None else logits[:, batch.head_ids])
 
     def save(self, draft, state, tokenizer, folder: Path, target_name: str) -> None:
         save_file({"proj.weight": draft.proj.weight.detach().contiguous().cpu()}, folder / WEIGHTS)
