@@ -8,6 +8,7 @@ the same validation. ``--config`` takes a YAML path or the name of a config ship
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.resources
 import re
 import types
@@ -16,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from transformers import LlamaConfig
 
+from draftsmith.distill.data import ROW_FIELDS
+from draftsmith.distill.drafts import DraftSettings, kind_named
 from draftsmith.distill.losses import LOSSES
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import write_text
@@ -31,9 +35,11 @@ class DistillConfig:
     # models
     target: str = "smollm2-135m-instruct"  # folder, .gguf, hub id, alias, or "tiny" (a random model from tiny_target)
     tiny_target: dict = field(default_factory=dict)  # LlamaConfig fields for target "tiny"
-    draft_init: str = "truncate"  # truncate | config | pretrained | early_exit
+    draft_kind: str = "lm"  # lm (a standalone causal LM) | early_exit (the target's first k layers + exit head)
+    draft_init: str = "truncate"  # lm: truncate | config | pretrained
     draft_layers: str = "2"  # truncate: a count ("2") or indices ("0,1,29"); early_exit: k, the shared layers
-    early_exit_adapter: bool = True  # early_exit: a trainable decoder layer (from the target's layer k) in the head
+    # the kind's own settings, checked by the kind (early_exit: {adapter: false} leaves out its adapter layer)
+    kind_options: dict = field(default_factory=dict)
     draft_config: dict = field(default_factory=dict)  # config: fields overriding the target's config
     draft_model: str | None = None  # pretrained: a small model with the target's tokenizer (folder, hub id, .gguf)
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank instead of the full draft
@@ -69,12 +75,14 @@ class DistillConfig:
     on_policy_fraction: float = 0.0  # lambda: share of micro-batches replaced by the draft's own answers
     on_policy_refresh_steps: int = 50  # regenerate the draft's answers every this many steps
     on_policy_pool: int = 32  # prompts answered by the draft at each refresh
+    # train on a `draftsmith data` folder whose build has not finished (its manifest says incomplete)
+    allow_incomplete: bool = False
     # teacher
     teacher_device_map: str | None = None  # e.g. auto: spread the target over this process's GPUs
     teacher_cache: bool = False  # store the target's top-k log-probs once; training skips its forward pass
     teacher_top_k: int = 64
     # the target's dtype as teacher and answer generator: auto = bfloat16 on CUDA and on CPUs with native
-    # bfloat16 (as eval measures it), else float32; early_exit drafts share its layers and keep float32
+    # bfloat16 (as eval measures it), else float32; a kind may keep float32 (early_exit drafts share its layers)
     teacher_dtype: str = "auto"
     # loss
     loss: str = "tvd"  # forward_kl | reverse_kl | jsd | tvd | accepted_length
@@ -112,18 +120,8 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (
-                self.draft_init in ("truncate", "config", "pretrained", "early_exit"),
-                "draft_init must be truncate, config, pretrained or early_exit",
-            ),
-            (self.draft_init != "early_exit" or self.lora_r == 0, "early_exit drafts do not take lora_r"),
-            (self.draft_init != "pretrained" or bool(self.draft_model), "draft_init pretrained needs draft_model"),
             (self.lora_r >= 0, "lora_r must be >= 0"),
             (self.train_draft_vocab >= 0, "train_draft_vocab must be >= 0 (0 = the full head)"),
-            (
-                self.draft_init != "early_exit" or self.train_draft_vocab == 0,
-                "early_exit drafts share the target's head: set train_draft_vocab to 0",
-            ),
             (self.teacher_top_k >= 1, "teacher_top_k must be >= 1"),
             (self.eval_speedup_steps >= 0, "eval_speedup_steps must be >= 0"),
             (
@@ -157,10 +155,6 @@ class DistillConfig:
                 self.teacher_dtype in ("auto", "float32", "bfloat16", "float16"),
                 "teacher_dtype must be auto, float32, bfloat16 or float16",
             ),
-            (
-                self.draft_init != "early_exit" or self.teacher_dtype in ("auto", "float32"),
-                "early_exit drafts share the target's layers, which stay float32: set teacher_dtype to auto",
-            ),
             (self.heldout >= 1, "heldout must be >= 1"),
             (self.gen_samples >= 1, "gen_samples must be >= 1"),
             (
@@ -187,6 +181,29 @@ class DistillConfig:
         for ok, message in checks:
             if not ok:
                 raise DraftsmithError(f"config: {message}")
+        try:
+            kind_named(self.draft_kind).check(draft_settings(self))
+        except DraftsmithError as err:
+            raise DraftsmithError(f"config: {err}") from err
+
+
+def draft_settings(cfg: DistillConfig) -> DraftSettings:
+    """The config's draft fields, as the drafter kinds take them."""
+    return DraftSettings(
+        kind=cfg.draft_kind,
+        init=cfg.draft_init,
+        layers=cfg.draft_layers,
+        config=cfg.draft_config,
+        model=cfg.draft_model,
+        lora_r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_target_modules=tuple(cfg.lora_target_modules),
+        freeze_embeddings=cfg.freeze_embeddings,
+        options=cfg.kind_options,
+        train_draft_vocab=cfg.train_draft_vocab,
+        teacher_dtype=cfg.teacher_dtype,
+        loss=cfg.loss,
+    )
 
 
 def _coerce(name: str, kind, value):
@@ -216,32 +233,85 @@ def _coerce(name: str, kind, value):
 
 
 def load_config(cls, path: str | None, overrides: list[str]):
-    """Build ``cls`` from an optional YAML file and ``key=value`` overrides; unknown keys are refused."""
+    """Build ``cls`` from an optional YAML file and ``key=value`` overrides; unknown keys are refused,
+    in nested sections too (``check_sections``)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     values: dict = {}
     if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise DraftsmithError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise DraftsmithError(f"{path}: not valid YAML: {err}") from err
-        if not isinstance(loaded, dict):
-            raise DraftsmithError(f"{path}: the top level must be a mapping of config keys")
-        for key, value in loaded.items():
+        for key, value in read_yaml(Path(path)).items():
             if key not in fields:
-                raise DraftsmithError(f"{path}: unknown config key {key!r} (known: {', '.join(sorted(fields))})")
+                raise DraftsmithError(f"{path}: unknown config key {key!r} ({known_hint(key, fields)})")
             values[key] = value
+    given: set[str] = set()
     for item in overrides:
         if "=" not in item:
             raise DraftsmithError(f"override {item!r} must look like key=value")
         key, value = item.split("=", 1)
         if key not in fields:
-            raise DraftsmithError(f"unknown config key {key!r} in override (known: {', '.join(sorted(fields))})")
+            raise DraftsmithError(f"unknown config key {key!r} in override ({known_hint(key, fields)})")
+        if key in given:
+            raise DraftsmithError(f"override {key}= is given twice; keep one")
+        given.add(key)
         values[key] = value
-    return cls(**{k: _coerce(k, hints[k], v) for k, v in values.items()})
+    values = {k: _coerce(k, hints[k], v) for k, v in values.items()}
+    check_sections(values)
+    return cls(**values)
+
+
+def read_yaml(file: Path) -> dict:
+    """A config file's mapping; an empty file, a duplicated key (at any depth) or another top level is refused."""
+    if not file.is_file():
+        raise DraftsmithError(f"config file not found: {file} (shipped configs: {', '.join(shipped_configs())})")
+    try:
+        loaded = yaml.load(file.read_text(), Loader=UniqueKeyLoader)
+    except yaml.YAMLError as err:
+        raise DraftsmithError(f"{file}: not valid YAML: {' '.join(str(err).split())}") from err
+    if loaded is None:
+        raise DraftsmithError(
+            f"{file} is empty; a config says what to distill: start from a copy of a shipped config "
+            f"({', '.join(shipped_configs())})"
+        )
+    if not isinstance(loaded, dict):
+        raise DraftsmithError(f"{file}: the top level must be a mapping of config keys")
+    return loaded
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (lines {seen[key]} and {key_node.start_mark.line + 1})"
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def known_hint(key: str, known: set[str]) -> str:
+    """``did you mean X?`` for a near miss, else the known keys listed."""
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"did you mean {close[0]}?" if close else f"known: {', '.join(sorted(known))}"
+
+
+def check_sections(values: dict) -> None:
+    """Unknown keys inside the nested sections whose keys are known without loading a model."""
+    if "tiny_target" in values:
+        known = set(LlamaConfig().to_dict())
+        for key in values["tiny_target"]:
+            if key not in known:
+                raise DraftsmithError(
+                    f"config tiny_target: unknown LlamaConfig field {key!r} ({known_hint(key, known)})"
+                )
+    if "column_map" in values:
+        known = {*ROW_FIELDS, "category"}
+        for key in values["column_map"]:
+            if key not in known:
+                raise DraftsmithError(f"config column_map: unknown field {key!r} ({known_hint(key, known)})")
 
 
 def save_config(config, path: Path) -> None:
@@ -269,6 +339,10 @@ def config_path(name: str) -> str:
     shipped = importlib.resources.files("draftsmith.configs") / (name if name.endswith(".yaml") else f"{name}.yaml")
     if "/" not in name and shipped.is_file():
         return str(shipped)
+    if Path(name).is_dir():
+        raise DraftsmithError(
+            f"config {name} is a folder; give a YAML file or a shipped config ({', '.join(shipped_configs())})"
+        )
     raise DraftsmithError(
         f"config not found: {name} (give a YAML file, or the name of a shipped config: {', '.join(shipped_configs())})"
     )

@@ -39,7 +39,9 @@ class DraftSettings:
     how a standalone LM starts (truncated target, new config, pretrained, LoRA); ``layers`` is also
     the shared layer count k of an early-exit draft. options: the kind's own settings
     (``kind_options``), checked by the kind. train_draft_vocab: the head cut to the N most
-    frequent tokens (0: the full head). teacher_dtype: the run's ``teacher_dtype``.
+    frequent tokens (0: the full head). teacher_dtype: the run's ``teacher_dtype``. loss: the run's
+    loss (a kind whose predictions reach several steps ahead may refuse ``accepted_length``, whose
+    windows assume one prediction per position).
     """
 
     kind: str = "lm"
@@ -54,6 +56,7 @@ class DraftSettings:
     options: dict = field(default_factory=dict)
     train_draft_vocab: int = 0
     teacher_dtype: str = "auto"
+    loss: str = "tvd"
 
 
 @dataclass
