@@ -58,7 +58,7 @@ def draft_tree(stream: ModelStream, sequence: list[int], shape: TreeShape, max_d
     tree.steps = 1
     frontier = [ROOT]
     for depth in range(max_depth):
-        level = _add_children(tree, frontier, logits, shape.branching[depth])
+        level = add_children(tree, frontier, logits, shape.branching[depth])
         if depth + 1 == max_depth:
             break
         frontier = level
@@ -67,11 +67,11 @@ def draft_tree(stream: ModelStream, sequence: list[int], shape: TreeShape, max_d
         logits = _feed_level(stream, tree, frontier, base=len(sequence))  # (F, V)
         tree.steps += 1
     if shape.budget:
-        _prune(tree, shape.budget)
+        prune(tree, shape.budget)
     return tree
 
 
-def _add_children(tree: Tree, frontier: list[int], logits: torch.Tensor, branching: int) -> list[int]:
+def add_children(tree: Tree, frontier: list[int], logits: torch.Tensor, branching: int) -> list[int]:
     """Append the top ``branching`` draft tokens after each frontier node (logits (F, V)) as its
     children, in order of draft preference; return the new nodes."""
     top = logits.float().log_softmax(-1).topk(branching, dim=-1)  # (F, b)
@@ -104,7 +104,7 @@ def _feed_level(stream: ModelStream, tree: Tree, nodes: list[int], base: int) ->
     return stream.forward_tree(tokens, position_ids, visible.to(stream.device)).logits[0]
 
 
-def _prune(tree: Tree, budget: int) -> None:
+def prune(tree: Tree, budget: int) -> None:
     """Keep the ``budget`` nodes of highest path probability (closed under ancestors)."""
     keep = top_nodes(tree.parents, tree.path_logprob, budget)
     tree.parents = reindex(tree.parents, keep)

@@ -1,7 +1,9 @@
 """Drafter kinds: one module per family of drafts, and the registry that names them.
 
 - ``lm``: a standalone causal LM (truncated target, new config, pretrained, LoRA), ``lm.py``;
-- ``early_exit``: the target's first k layers (shared, with its KV cache) and an exit head, ``early_exit.py``.
+- ``early_exit``: the target's first k layers (shared, with its KV cache) and an exit head, ``early_exit.py``;
+- ``eagle3``: an EAGLE-3 head on the target's low, middle and high hidden states (one layer, its own
+  vocabulary), served by vLLM from the speculators layout, ``eagle3.py``.
 
 ``kind.py`` says what a kind answers. A new kind is one module with a ``KIND`` object and one entry
 in ``KINDS`` below (or ``register`` at run time); nothing else in draftsmith names a kind.
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.distill.drafts import early_exit, lm
+from draftsmith.distill.drafts import eagle3, early_exit, lm
 from draftsmith.distill.drafts.kind import DraftKind, DraftSettings, Serving
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import load_model
@@ -30,7 +32,7 @@ __all__ = [
     "load_draft",
 ]
 
-KINDS: dict[str, DraftKind] = {kind.name: kind for kind in (lm.KIND, early_exit.KIND)}
+KINDS: dict[str, DraftKind] = {kind.name: kind for kind in (lm.KIND, early_exit.KIND, eagle3.KIND)}
 
 
 def register(kind: DraftKind) -> None:
