@@ -1,11 +1,18 @@
 """A training set written by the target: prompts in, the target's answers out, kept as a dataset on disk.
 
-Layout of a dataset folder::
+A dataset folder is laid out as the Hugging Face hub lays out a dataset, so that
+``datasets.load_dataset(FOLDER, split="train")`` and ``push_to_hub`` work with nothing of draftsmith
+installed::
 
+    README.md            the dataset card: YAML metadata naming the split's data files and the
+                         manifest's facts (target, sampling, counts, complete or not), then text
+    data/train-rR-NNNNN.parquet   answer rows, one parquet file per shard (R: the process that wrote it)
     manifest.json        the settings the rows were made with, counts, tokens, seconds taken by builds
                          that ran to the end (a killed one adds its rows but not its time)
     prompts/             prompts the target wrote itself (when the source is ``self``), JSONL per round
-    shards/shard-rR-NNNNN/  answer rows, one ``datasets`` folder per shard (R: the process that wrote it)
+
+Folders of the layout before (``shards/shard-rR-NNNNN/``, one ``save_to_disk`` folder per shard) still
+load; ``draftsmith data`` on one converts it once, shard by shard, and says so.
 
 Every file and shard is written under a temporary name and renamed when complete, so a build killed
 at any point keeps every finished shard and nothing half-written. Building again into the same folder
@@ -36,7 +43,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import yaml
+from datasets.table import InMemoryTable
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -54,12 +65,31 @@ from draftsmith.distill.self_prompts import (
 from draftsmith.specdec.continuous import Progress
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path, write_text
+from draftsmith.specdec.loading import same_model
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.specdec.sampling import SamplingParams
 
 MANIFEST = "manifest.json"
-SHARDS = "shards"
+CARD = "README.md"
+DATA = "data"  # answer shards: data/train-rR-NNNNN.parquet
+SPLIT = "train"
+LEGACY_SHARDS = "shards"  # the layout before: shards/shard-rR-NNNNN/, one save_to_disk folder per shard
 PROMPTS = "prompts"
+# Every shard is written with these types, so the split's files share one schema (a shard whose answers
+# happen to be all empty would otherwise get another).
+ROW_FEATURES = datasets.Features(
+    {
+        "prompt_id": datasets.Value("string"),
+        "sample": datasets.Value("int64"),
+        "source": datasets.Value("string"),
+        "topic": datasets.Value("string"),
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+        "prompt_ids": datasets.List(datasets.Value("int64")),
+        "answer_ids": datasets.List(datasets.Value("int64")),
+        "answer_text": datasets.Value("string"),
+        "finished": datasets.Value("bool"),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -137,6 +167,31 @@ def read_manifest(folder: Path) -> dict | None:
         raise DraftsmithError(f"{path} is not valid JSON ({err.msg}); it was not written by draftsmith data") from err
 
 
+def check_trusted(folder: Path, target: str, allow_incomplete: bool = False) -> dict:
+    """The manifest of a dataset folder fit to train ``target`` on; anything else is refused in one line.
+
+    Its rows must be the answers of ``target`` (the same model, also through a symbolic link), and its
+    build must have finished unless ``allow_incomplete``: a build that was interrupted, or is still
+    running, holds only part of what was asked for.
+    """
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise DraftsmithError(f"{folder} is not a dataset built by draftsmith data (no {MANIFEST})")
+    made_by = manifest["settings"]["target"]
+    if not same_model(made_by, target):
+        raise DraftsmithError(
+            f"{folder} holds answers of target {made_by!r}, not of {target!r}; distill with target={made_by} "
+            "or build a dataset with this target (draftsmith data --target ...)"
+        )
+    check_shards(folder, manifest)
+    if not manifest.get("complete", False) and not allow_incomplete:
+        raise DraftsmithError(
+            f"{folder} is an incomplete build (interrupted, or still running): run the same draftsmith data "
+            "command again to finish it, or set allow_incomplete=true to train on the rows it has"
+        )
+    return manifest
+
+
 def check_settings(folder: Path, settings: BuildSettings) -> dict | None:
     """The manifest of an existing dataset made with ``settings`` (None for a new one); refuse any other.
 
@@ -172,8 +227,11 @@ def open_dataset(folder: Path, settings: BuildSettings, group: ProcessGroup, eng
     if group.is_main:
         for stale in folder.glob("**/.*.tmp"):
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        repair(folder)
+        convert_legacy(folder)
         manifest["draftsmith_version"] = importlib.metadata.version("draftsmith")
         write_text(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        write_card(folder, manifest)
     group.barrier()
     return manifest
 
@@ -193,18 +251,115 @@ def token_bar(desc: str, enabled: bool) -> tuple[Callable[[Progress], None] | No
 
 
 def shard_paths(folder: Path) -> list[Path]:
-    """The finished answer shards, in name order (temporaries start with a dot and are skipped)."""
-    root = Path(folder) / SHARDS
-    return sorted(p for p in root.glob("shard-*") if p.is_dir()) if root.is_dir() else []
+    """The finished answer shards (parquet files, or folders of the old layout), in name order
+    (temporaries start with a dot and are skipped)."""
+    folder = Path(folder)
+    shards = list((folder / DATA).glob(f"{SPLIT}-r*.parquet"))
+    shards += [p for p in (folder / LEGACY_SHARDS).glob("shard-r*") if p.is_dir()]
+    return sorted(shards, key=lambda p: shard_name(p).split("-", 1)[1])
+
+
+def shard_name(path: Path) -> str:
+    """A shard's name (``train-r0-00003``; ``shard-r0-00003`` in the old layout), which keys its teacher cache."""
+    return path.stem if path.suffix == ".parquet" else path.name
+
+
+def read_shard(path: Path) -> datasets.Dataset:
+    """A shard's rows; a shard that cannot be read is named, with how to repair it."""
+    try:
+        if path.suffix == ".parquet":
+            return datasets.Dataset(InMemoryTable(pq.read_table(parquet_file(path))))
+        return datasets.load_from_disk(str(path))
+    except (OSError, ValueError, pa.ArrowException) as err:  # FileNotFoundError, ArrowInvalid, bad JSON
+        raise DraftsmithError(damaged(path, err)) from err
+
+
+def parquet_file(path: Path) -> Path:
+    if not path.is_file():  # pyarrow would read a folder as a partitioned dataset
+        raise IsADirectoryError(f"{path.name} is not a file")
+    return path
+
+
+def damaged(path: Path, err: Exception) -> str:
+    folder = path.parent.parent
+    return (
+        f"{folder}: the shard {path.relative_to(folder)} is damaged ({' '.join(str(err).split())[:160]}); run "
+        f"draftsmith data on {folder} again (the same command) to rebuild it"
+    )
+
+
+def shard_rows(path: Path) -> int:
+    """A shard's row count, read cheaply (a parquet file's footer, an old folder's memory map); a
+    damaged shard raises ``DraftsmithError`` naming it."""
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_metadata(parquet_file(path)).num_rows
+        return len(datasets.load_from_disk(str(path)))
+    except (OSError, ValueError, pa.ArrowException) as err:
+        raise DraftsmithError(damaged(path, err)) from err
+
+
+def shard_problem(path: Path) -> str | None:
+    """What is wrong with a shard (see ``shard_rows``), or None."""
+    try:
+        shard_rows(path)
+    except DraftsmithError as err:
+        return str(err)
+    return None
+
+
+def check_shards(folder: Path, manifest: dict) -> None:
+    """Refuse a dataset with a damaged shard, naming it, or, when its build finished, with fewer rows
+    than the manifest counts (a shard file deleted)."""
+    rows = sum(shard_rows(path) for path in shard_paths(folder))
+    counted = manifest.get("counts", {}).get("rows") if manifest.get("complete") else None
+    if counted is not None and rows < counted:
+        raise DraftsmithError(
+            f"{folder} holds {rows} rows but its manifest counts {counted}: a shard was removed; run draftsmith "
+            f"data on {folder} again (the same command) to rebuild it"
+        )
+
+
+def repair(folder: Path) -> None:
+    """Remove damaged shards (and their teacher caches) so that the build answers their rows again."""
+    for path in shard_paths(folder):
+        if shard_problem(path) is None:
+            continue
+        print(f"{folder}: the shard {path.relative_to(folder)} is damaged; rebuilding its rows", file=sys.stderr)
+        for cache in Path(folder).glob(f"teacher-cache-k*/{shard_name(path)}"):
+            shutil.rmtree(cache)
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def convert_legacy(folder: Path) -> None:
+    """Convert the shards of the old layout to parquet files under data/, once, each atomically: a
+    conversion that is killed resumes where it stopped (the old folder goes only after its file is in place)."""
+    folder = Path(folder)
+    legacy = [p for p in shard_paths(folder) if p.is_dir()]
+    if not legacy:
+        return
+    for path in legacy:
+        name = f"{SPLIT}-{path.name.removeprefix('shard-')}"
+        final = folder / DATA / f"{name}.parquet"
+        if not final.is_file():
+            with atomic_path(final) as tmp:
+                read_shard(path).cast(ROW_FEATURES).to_parquet(str(tmp))
+        for cache in folder.glob(f"teacher-cache-k*/{path.name}"):
+            cache.rename(cache.with_name(name))
+        shutil.rmtree(path)
+    (folder / LEGACY_SHARDS).rmdir()
+    print(f"{folder}: converted {len(legacy)} shard(s) of the old layout (shards/) to {DATA}/*.parquet")
 
 
 def write_shard(folder: Path, process_index: int, rows: list[dict]) -> Path:
     """Save ``rows`` as this process's next shard, atomically; return its path."""
-    mine = [p for p in shard_paths(folder) if p.name.startswith(f"shard-r{process_index}-")]
-    serial = 1 + max((int(p.name.rsplit("-", 1)[1]) for p in mine), default=-1)
-    final = Path(folder) / SHARDS / f"shard-r{process_index}-{serial:05d}"
+    mine = [
+        shard_name(p) for p in shard_paths(folder) if shard_name(p).split("-", 1)[1].startswith(f"r{process_index}-")
+    ]
+    serial = 1 + max((int(name.rsplit("-", 1)[1]) for name in mine), default=-1)
+    final = Path(folder) / DATA / f"{SPLIT}-r{process_index}-{serial:05d}.parquet"
     with atomic_path(final) as tmp:
-        datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+        datasets.Dataset.from_list(rows, features=ROW_FEATURES).to_parquet(str(tmp))
     return final
 
 
@@ -213,7 +368,7 @@ def load_built(folder: Path) -> datasets.Dataset:
     folder = Path(folder)
     if read_manifest(folder) is None:
         raise DraftsmithError(f"{folder} is not a dataset built by draftsmith data (no {MANIFEST})")
-    shards = [datasets.load_from_disk(str(p)) for p in shard_paths(folder)]
+    shards = [read_shard(p) for p in shard_paths(folder)]
     if not shards:
         raise DraftsmithError(f"{folder} holds no rows yet; run draftsmith data to build it")
     return datasets.concatenate_datasets(shards)
@@ -223,9 +378,37 @@ def done_keys(folder: Path) -> set[tuple[str, int]]:
     """(prompt_id, sample) of every row already written."""
     keys: set[tuple[str, int]] = set()
     for path in shard_paths(folder):
-        shard = datasets.load_from_disk(str(path)).select_columns(["prompt_id", "sample"])
+        shard = read_shard(path).select_columns(["prompt_id", "sample"])
         keys.update(zip(shard["prompt_id"], shard["sample"], strict=True))
     return keys
+
+
+def write_card(folder: Path, manifest: dict) -> None:
+    """The dataset card: YAML metadata that names the split's data files (how ``load_dataset`` and the hub
+    find them) and the manifest's facts, then the card's text (kept when the card has some already)."""
+    facts = {
+        "complete": manifest.get("complete", False),
+        **{k: manifest["settings"][k] for k in ("target", "dtype", "engine", "sampling", "seed", "max_new_tokens")},
+        "prompt_source": manifest["settings"]["prompt_source"].get("kind"),
+        **{k: v for k, v in manifest.get("counts", {}).items() if not isinstance(v, dict)},
+    }
+    metadata = {
+        "configs": [{"config_name": "default", "data_files": [{"split": SPLIT, "path": f"{DATA}/{SPLIT}-*.parquet"}]}],
+        "task_categories": ["text-generation"],
+        "tags": ["draftsmith", "distillation", "speculative-decoding", "synthetic"],
+        "draftsmith": facts,
+    }
+    path = Path(folder) / CARD
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    if text.startswith("---\n") and "\n---\n" in text[4:]:
+        text = text[4:].split("\n---\n", 1)[1].lstrip("\n")
+    if not text.strip():
+        text = (
+            f"# {Path(folder).resolve().name}\n\nAnswers of `{facts['target']}` written by `draftsmith data` "
+            'for distilling draft models. Load it with `datasets.load_dataset(FOLDER, split="train")`; '
+            "`manifest.json` records every setting.\n"
+        )
+    write_text(path, f"---\n{yaml.safe_dump(metadata, sort_keys=False)}---\n\n{text}")
 
 
 def training_examples(folder: Path, max_length: int) -> list[dict]:
@@ -454,6 +637,7 @@ def finish_dataset(folder: Path, manifest: dict, request: dict, seconds: float, 
         if manifest["settings"]["prompt_source"]["kind"] == "self":
             manifest["self_prompts"] = dropped_summary(folder)
         write_text(Path(folder) / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        write_card(folder, manifest)
     group.barrier()
     return manifest
 

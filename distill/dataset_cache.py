@@ -3,7 +3,8 @@
 Layout inside a dataset folder (``draftsmith data --teacher-cache K``)::
 
     teacher-cache-k<K>/<shard name>/   one ``teacher_cache`` folder (its shards and meta.json) per
-                                       answer shard, over the shard's rows as whole sequences
+                                       answer shard (``train-r0-00003`` for data/train-r0-00003.parquet),
+                                       over the shard's rows as whole sequences
 
 Rows are cached whole (prompt + answer, nothing cut), one cache per answer shard, so:
 - a killed build keeps every shard cache whose meta.json was written and builds the others again;
@@ -30,7 +31,14 @@ from transformers import PreTrainedModel
 
 from draftsmith.distill import teacher_cache
 from draftsmith.distill.data import target_examples
-from draftsmith.distill.dataset_builder import MANIFEST, ProcessGroup, read_manifest, shard_paths
+from draftsmith.distill.dataset_builder import (
+    MANIFEST,
+    ProcessGroup,
+    read_manifest,
+    read_shard,
+    shard_name,
+    shard_paths,
+)
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import write_text
 from draftsmith.specdec.vllm_client import complete
@@ -71,14 +79,15 @@ def build_dataset_cache(
         raise DraftsmithError(f"--teacher-cache must be >= 1 (tokens kept per position), got {top_k}")
     shards = shard_paths(folder)
     for shard in shards[group.index :: group.count]:
-        out = cache_folder(folder, top_k) / shard.name
+        out = cache_folder(folder, top_k) / shard_name(shard)
         if not (out / "meta.json").is_file():
-            write_cache([e for e in row_examples(datasets.load_from_disk(str(shard))) if e is not None], out)
+            write_cache([e for e in row_examples(read_shard(shard)) if e is not None], out)
     group.barrier()
     manifest = read_manifest(folder)
     if group.is_main:
         tokens = sum(
-            json.loads((cache_folder(folder, top_k) / s.name / "meta.json").read_text())["tokens"] for s in shards
+            json.loads((cache_folder(folder, top_k) / shard_name(s) / "meta.json").read_text())["tokens"]
+            for s in shards
         )
         record = {**description, "top_k": top_k, "shards": len(shards), "tokens": tokens}
         manifest.setdefault("teacher_cache", {})[str(top_k)] = record
@@ -130,11 +139,11 @@ def dataset_entries(folder: Path, examples: list[dict], dtype: str, top_k: int, 
         return None
     by_digest: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
     for shard in shard_paths(folder):
-        cached = cache_folder(folder, usable[0]) / shard.name
+        cached = cache_folder(folder, usable[0]) / shard_name(shard)
         if not (cached / "meta.json").is_file():
             return None  # rows added after the cache was built
         whole = dict(teacher_cache.read_entries(cached))
-        rows = datasets.load_from_disk(str(shard))
+        rows = read_shard(shard)
         for full, cut in zip(row_examples(rows), row_examples(rows, max_length), strict=True):
             if cut is not None:
                 ids, logps = whole[teacher_cache.example_digest(full)]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import datasets
 
-from draftsmith.distill.data import BUILTIN_PROMPTS, EVAL_PROMPTS
+from draftsmith.distill.data import BUILTIN_PROMPTS, EVAL_PROMPTS, check_json_file
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.prompts import parse_prompt_row, read_prompts
 
@@ -166,6 +166,8 @@ def load_rows(spec: str, config: str | None = None, split: str = "train") -> dat
         kind = FILE_KINDS.get(path.suffix.lower())
         if kind is None:
             raise DraftsmithError(f"{spec}: unsupported file type {path.suffix!r}; use .jsonl, .json, .csv or .parquet")
+        if kind == "json":
+            check_json_file(path)  # a bad line named, not the datasets library's generic error
         try:
             return datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as err:  # datasets raises many types for a malformed file

@@ -34,6 +34,7 @@ from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, so
 from draftsmith.distill.self_prompts import TOPICS, SelfPromptSettings
 from draftsmith.options import check_engine_options, engine_options
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.files import check_writable
 from draftsmith.specdec.loading import (
     DEFAULT_TARGET,
     eos_token_ids,
@@ -42,6 +43,7 @@ from draftsmith.specdec.loading import (
     model_eos_token_ids,
     resolve_device,
     resolve_dtype,
+    vocab_size,
 )
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.vllm_client import served_model
@@ -63,7 +65,8 @@ examples:
   accelerate launch -m draftsmith.cli data --prompts self --num-prompts 100000 --output data/big
   draftsmith data --engine vllm --prompts self --num-prompts 20000 --samples-per-prompt 4 --output data/v
 
-The folder holds manifest.json and shards/ (datasets folders); `distill` trains from it by path."""
+The folder is a standard dataset: data/train-*.parquet and a dataset card README.md (datasets.load_dataset(FOLDER,
+split="train") reads it), beside manifest.json; `distill` trains from it by path once the build is complete."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -210,17 +213,45 @@ def engine_dtype(args: argparse.Namespace, dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    datasets.disable_progress_bars()  # one bar, in tokens/s, is shown instead of one per saved shard
+def check_options(args: argparse.Namespace) -> None:
+    """Options that are out of range, do not apply, or contradict each other, and an --output that
+    cannot be written: refused before the target loads."""
     for flag, value in (("--batch-size", args.batch_size), ("--shard-rows", args.shard_rows)):
         if value < 1:
             raise DraftsmithError(f"{flag} must be >= 1, got {value}")
     if args.max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.teacher_cache is not None and args.teacher_cache < 1:
-        raise DraftsmithError(f"--teacher-cache must be >= 1 (tokens kept per position), got {args.teacher_cache}")
+    if args.samples_per_prompt < 1:
+        raise DraftsmithError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
+    if args.temperature == 0:
+        for flag, given in (
+            ("--top-p", args.top_p != 1.0),
+            ("--top-k", args.top_k != 0),
+            ("--samples-per-prompt", args.samples_per_prompt > 1),
+        ):
+            if given:
+                raise DraftsmithError(f"{flag} applies to sampled answers; with --temperature 0 they are greedy")
+    if args.prompts != "self":
+        defaults = parser()
+        for name in ("prompt_temperature", "prompt_top_p", "prompt_max_tokens", "any_prompt_text"):
+            if vars(args)[name] != defaults.get_default(name):
+                flag = "--" + name.replace("_", "-")
+                raise DraftsmithError(f"{flag} applies to self-written prompts (--prompts self)")
+    if args.teacher_cache is not None:
+        vocab = vocab_size(args.target)
+        if args.teacher_cache < 1 or (vocab is not None and args.teacher_cache > vocab):
+            raise DraftsmithError(
+                f"--teacher-cache must be 1 to the target's vocabulary ({vocab or 'its size'}), "
+                f"got {args.teacher_cache}"
+            )
     check_engine_options(args)
+    check_writable(Path(args.output), f"--output {args.output}", folder=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    datasets.disable_progress_bars()  # one bar, in tokens/s, is shown instead of one per saved shard
+    check_options(args)
     device = resolve_device(args.device)
     state = PartialState(cpu=device.type == "cpu")  # several CPU processes talk over gloo
     group = ProcessGroup(state.process_index, state.num_processes, state.wait_for_everyone)

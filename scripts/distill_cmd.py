@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from draftsmith.train.config import DistillConfig, config_path, load_config
+from draftsmith.checks import check_run_inputs
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.train.config import DistillConfig, config_path, load_config, shipped_configs
 from draftsmith.train.loop import train
 
 EPILOG = """examples:
@@ -25,14 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", default=None, help="YAML config file, or a shipped config's name (e.g. tiny)")
+    p.add_argument("--config", default=None, help="YAML config file, or a shipped config's name (e.g. tiny); required")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    path = config_path(args.config) if args.config is not None else None
-    result = train(load_config(DistillConfig, path, args.overrides))
+    if args.config is None:
+        # Every field has a default, but a run nobody chose (100 steps on the default target) is no default.
+        raise DraftsmithError(
+            f"distill needs --config: a YAML file, or a shipped config ({', '.join(shipped_configs())})"
+        )
+    cfg = load_config(DistillConfig, config_path(args.config), args.overrides)
+    check_run_inputs(cfg)
+    result = train(cfg)
     print(f"run folder: {result.run_dir}")
     return 0

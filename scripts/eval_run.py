@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from draftsmith.checks import check_measure_options, run_vocab_size
 from draftsmith.engine_eval import ENGINE_REPORT, check_engine_eval_options, engine_eval_options, engine_run_report
 from draftsmith.options import (
     device_options,
@@ -14,7 +15,10 @@ from draftsmith.options import (
     progress_option,
     prompt_options,
 )
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.files import check_writable
 from draftsmith.specdec.tree import TreeShape
+from draftsmith.train.config import load_run_config
 from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 
 EPILOG = """Writes RUN_DIR/speedup_report.json, speedup_report.md, speedup.png and best.json.
@@ -62,10 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     engine_batch_sizes = check_engine_eval_options(args, {})
     run_dir = Path(args.run_dir)
+    cfg = load_run_config(run_dir)
+    check_writable(run_dir, f"the run folder {run_dir} (the reports go there)", folder=True)
+    gammas = check_measure_options(args, run_vocab_size(cfg))
+    temperatures = parse_list(args.temperatures, float, "temperatures")
+    if any(t < 0 for t in temperatures):
+        raise DraftsmithError(f"--temperatures must all be >= 0 (0 = greedy), got {args.temperatures}")
+    if args.repeats < 1:
+        raise DraftsmithError(f"--repeats must be >= 1, got {args.repeats}")
     settings = RunEvalSettings(
         args.prompts,
-        gammas=parse_list(args.gammas, int, "gammas"),
-        temperatures=parse_list(args.temperatures, float, "temperatures"),
+        gammas=gammas,
+        temperatures=temperatures,
         trees=tuple(TreeShape.parse(shape, "--trees") for shape in args.trees),
         max_new_tokens=args.max_new_tokens,
         limit=args.limit,

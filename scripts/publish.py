@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftsmith.train.publish import publish, push
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.train.publish import is_hub_id, publish, push
 
 EPILOG = """example:
   draftsmith publish runs/smollm2-135m/checkpoint-120 --out drafts/smollm2-135m-draft
@@ -32,8 +33,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_hub_options(args: argparse.Namespace) -> None:
+    """--private shapes the hub repository: without --push-to-hub there is none."""
+    if args.private and not args.push_to_hub:
+        raise DraftsmithError("--private applies to the hub repository; add --push-to-hub REPO_ID or leave it out")
+    if args.push_to_hub is not None and not is_hub_id(args.push_to_hub):
+        raise DraftsmithError(
+            f"--push-to-hub takes a hub repository id, owner/name (e.g. me/smollm2-draft), got {args.push_to_hub!r}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_hub_options(args)
     out = publish(
         Path(args.checkpoint), Path(args.out), overwrite=args.overwrite, repo_id=args.push_to_hub, license=args.license
     )

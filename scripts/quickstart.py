@@ -12,13 +12,15 @@ import argparse
 import json
 from pathlib import Path
 
-from draftsmith.options import draft_vocab_option, gammas_option, parse_list, prompt_options
+from draftsmith.checks import check_measure_options, check_run_inputs, run_vocab_size
+from draftsmith.options import draft_vocab_option, gammas_option, prompt_options
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.files import check_writable
 from draftsmith.train import checkpoint
 from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 from draftsmith.train.loop import train
-from draftsmith.train.publish import publish
+from draftsmith.train.publish import check_output_folder, publish
 
 CONFIG = "smollm2-135m"
 # The recipe measures on 6 held-out prompts, with the draft's head cut to the 8192 tokens most
@@ -45,7 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.output_dir)
     run_dir = out / "run"
+    if any(item.startswith("output_dir=") for item in args.overrides):
+        raise DraftsmithError(
+            "quickstart trains into --output-dir DIR (DIR/run); give --output-dir instead of output_dir="
+        )
+    check_writable(out, f"--output-dir {out}", folder=True)
     cfg = load_config(DistillConfig, config_path(args.config), [*args.overrides, f"output_dir={run_dir}"])
+    gammas = check_before_training(args, cfg, out)
 
     print(f"[1/3] distilling a draft into {run_dir}")
     if not checkpoint.is_complete(run_dir / f"checkpoint-{cfg.max_steps}"):
@@ -53,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[2/3] measuring the real speedup of every checkpoint on {args.prompts}")
     settings = RunEvalSettings(
         args.prompts,
-        gammas=parse_list(args.gammas, int, "gammas"),
+        gammas=gammas,
         max_new_tokens=args.max_new_tokens,
         limit=args.limit,
         draft_vocab_size=args.draft_vocab,
@@ -67,6 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(run_dir, report, best)
     print(f"\npublished draft: {draft_dir}\nreport: {run_dir / 'speedup_report.md'}, {run_dir / 'speedup.png'}")
     return 0
+
+
+def check_before_training(args: argparse.Namespace, cfg: DistillConfig, out: Path) -> list[int]:
+    """Everything the three stages will need, checked before the first one starts: the run's inputs,
+    the measuring options (the gammas are returned), and that ``out/draft`` may be replaced (it is
+    new, empty, or a draft published there before, as ``publish --overwrite`` takes it)."""
+    check_run_inputs(cfg)
+    draft_dir, run_dir = out / "draft", Path(cfg.output_dir)
+    check_output_folder(draft_dir, {"its run": run_dir}, overwrite=True, name=f"--output-dir {out}: {draft_dir}")
+    gammas = check_measure_options(args, run_vocab_size(cfg), default_draft_vocab=DRAFT_VOCAB)
+    return gammas
 
 
 def print_summary(run_dir: Path, report: dict, best: str) -> None:

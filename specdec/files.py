@@ -3,7 +3,8 @@
 Everything is written under a hidden temporary name beside its destination and renamed into place
 when complete. A rename within one folder is atomic (``os.replace``), so a process killed while
 writing leaves the previous version or nothing, never a truncated file; the temporary is removed
-when writing fails. Every package may use this module: it imports nothing from draftsmith.
+when writing fails. Every package may use this module: it imports nothing from draftsmith but its
+error type. ``check_writable`` says before any work starts whether an output path can be written.
 """
 
 from __future__ import annotations
@@ -15,15 +16,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from draftsmith.specdec.errors import DraftsmithError
+
 
 def replace(tmp: Path, final: Path) -> None:
     """Move the finished ``tmp`` (a file or a folder) to ``final``, replacing what is there.
 
-    A folder cannot be renamed over a non-empty one, so an existing folder at ``final`` is removed
-    first; only the rename itself is atomic then.
+    A folder cannot be renamed over a non-empty one, so an existing folder at ``final`` is first
+    renamed aside, then ``tmp`` renamed into place, and only then the old one removed: at every
+    moment one complete version is on disk (a process killed in between leaves the old one under
+    its hidden name, beside the destination).
     """
     if final.is_dir() and not final.is_symlink():
-        shutil.rmtree(final)
+        aside = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.old.tmp")
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
     os.replace(tmp, final)
 
 
@@ -51,3 +60,30 @@ def write_text(path: Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     with atomic_path(Path(path)) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def check_writable(path: Path, what: str, folder: bool = False) -> None:
+    """Refuse, in one line, an output path this process cannot create or replace, before any work starts.
+
+    what: how the user gave the path (``--json out.json``, ``output_dir=runs/x``), named in the message.
+    folder: the path is to be a folder (an existing file there is refused), else a file (an existing
+    folder is refused). Nothing is created: the nearest existing folder on the way is probed with a
+    temporary file, which is also how a read-only file system or a missing permission shows.
+    """
+    path = Path(path).expanduser()
+    if path.exists() and path.is_dir() != folder:
+        kind, wanted = ("a file", "folder") if folder else ("a folder", "file")
+        raise DraftsmithError(f"{what} is {kind}, not a {wanted}: give a {wanted} path")
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise DraftsmithError(f"{what}: {existing} is a file, so nothing can be written under it")
+    try:
+        probe = existing / f".draftsmith-write-check-{uuid.uuid4().hex[:8]}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise DraftsmithError(
+            f"{what}: cannot write in {existing} ({err.strerror}); choose a writable location"
+        ) from err

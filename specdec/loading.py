@@ -8,15 +8,23 @@ written to a temporary folder and renamed into place, and reloaded from there in
 
 from __future__ import annotations
 
+import concurrent.futures
+import difflib
+import functools
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import socket
+import struct
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants, try_to_load_from_cache
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -77,14 +85,128 @@ def resolve_model(spec: str) -> str:
             f"model not found: {spec} (no such folder). Pass a model folder, a .gguf file, a hub id, "
             f"or the alias {DEFAULT_TARGET}"
         )
+    check_hub_model(spec)
     return spec  # a hub id; from_pretrained reports if it cannot be fetched
+
+
+def check_hub_model(spec: str) -> None:
+    """Refuse at once a name that is neither a built-in alias nor a hub id this machine can load.
+
+    Without the hub (offline mode, or its host does not resolve) only models in the local hub cache
+    load; anything else would wait on network timeouts before failing, so it is refused here, with
+    the aliases listed. A name without an owner is more likely a mistyped alias than a hub model.
+    """
+    known = ", ".join(_ALIASES)
+    close = difflib.get_close_matches(spec, _ALIASES, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    reason = hub_unreachable()
+    if "/" not in spec and (reason is not None or close):
+        raise DraftsmithError(
+            f"unknown model alias {spec!r} ({hint}known aliases: {known}); or pass a model folder, a .gguf file "
+            "or a hub id owner/name"
+        )
+    if reason is not None and try_to_load_from_cache(spec, "config.json") is None:
+        raise DraftsmithError(
+            f"model {spec!r} is not a local folder and not in the hub cache, and the hub is not reachable ({reason}); "
+            f"pass a model folder, a .gguf file or a built-in alias ({known})"
+        )
+
+
+def hub_unreachable() -> str | None:
+    """Why the model hub cannot be reached from here (offline mode, a host that does not resolve), or None."""
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    return host_unresolved(urllib.parse.urlparse(constants.ENDPOINT).hostname or "huggingface.co")
+
+
+@functools.cache
+def host_unresolved(host: str) -> str | None:
+    """Why ``host`` does not resolve, or None. Given two seconds: a machine without network answers at
+    once or never, and either way a model load would wait much longer on its timeouts."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        lookup = pool.submit(socket.getaddrinfo, host, 443)
+        try:
+            lookup.result(timeout=2)
+        except (OSError, concurrent.futures.TimeoutError):
+            return f"{host} does not resolve"
+    return None
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model specs name the same model: equal, or paths to the same folder or file (through
+    symbolic links, ``~`` or relative paths)."""
+    if a == b:
+        return True
+    first, second = Path(a).expanduser(), Path(b).expanduser()
+    return first.exists() and second.exists() and first.resolve() == second.resolve()
+
+
+def vocab_size(spec: str) -> int | None:
+    """The output vocabulary size of a model spec, read without loading its weights (a folder's
+    config.json, a GGUF file's header); None for a hub id or a folder whose config does not say."""
+    if spec in _ALIASES:
+        gguf = alias_gguf(spec)
+        converted = converted_folder(gguf)
+        path = converted if (converted / _COMPLETE).is_file() else gguf
+    else:
+        path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        config = json.loads((path / "config.json").read_text())
+        size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+        return int(size) if size is not None else None
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_vocab_size(path)
+    return None
+
+
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_vocab_size(path: Path) -> int | None:
+    """The vocabulary a GGUF file's header records (``<arch>.vocab_size``, else the length of
+    ``tokenizer.ggml.tokens``), read key by key from the start: the tensors are never touched."""
+    with open(path, "rb") as f:
+
+        def number(fmt: str) -> int:
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def skip(kind: int) -> None:
+            if kind == _GGUF_STRING:
+                f.seek(number("<Q"), 1)
+            elif kind == _GGUF_ARRAY:
+                inner, count = number("<I"), number("<Q")
+                for _ in range(count if inner in (_GGUF_STRING, _GGUF_ARRAY) else 0):
+                    skip(inner)
+                f.seek(0 if inner in (_GGUF_STRING, _GGUF_ARRAY) else _GGUF_SIZES[inner] * count, 1)
+            else:
+                f.seek(_GGUF_SIZES[kind], 1)
+
+        if f.read(4) != b"GGUF":
+            raise DraftsmithError(f"{path} is not a GGUF file (no GGUF header)")
+        _version, _tensors, keys = number("<I"), number("<Q"), number("<Q")
+        for _ in range(keys):
+            key = f.read(number("<Q")).decode("utf-8", "replace")
+            kind = number("<I")
+            if key.endswith(".vocab_size") and kind in (4, 10):
+                return number("<I" if kind == 4 else "<Q")
+            if key == "tokenizer.ggml.tokens" and kind == _GGUF_ARRAY:
+                number("<I")
+                return number("<Q")
+            skip(kind)
+    return None
+
+
+def converted_folder(gguf: Path) -> Path:
+    """Where ``convert_gguf`` keeps a GGUF file's conversion (by its path, size and time)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return draftsmith_home() / "models" / f"{gguf.stem}-{key}"
 
 
 def convert_gguf(gguf: Path) -> Path:
     """Convert a GGUF file to a safetensors model folder once; return the folder."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = draftsmith_home() / "models" / f"{gguf.stem}-{key}"
+    out = converted_folder(gguf)
     if (out / _COMPLETE).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,8 @@ def parse_prompt_row(row: object, where: str, default_id: int = 0, all_turns: bo
 def read_prompts(path: str | Path, all_turns: bool = False) -> list[Prompt]:
     """Parse a prompts JSONL file; any bad line is reported with its number."""
     path = Path(path)
+    if path.is_dir():
+        raise DraftsmithError(f"prompts {path} is a folder; give a JSONL file (one JSON object per line)")
     if not path.is_file():
         raise DraftsmithError(f"prompts file not found: {path}")
     prompts = []

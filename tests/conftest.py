@@ -46,6 +46,17 @@ def _draftsmith_home(tmp_path_factory):
         os.environ["DRAFTSMITH_HOME"] = str(tmp_path_factory.mktemp("draftsmith-home"))
 
 
+@pytest.fixture(params=[False, True], ids=["cpu-without-native-bfloat16", "cpu-with-native-bfloat16"])
+def native_bfloat16(request, monkeypatch) -> bool:
+    """``auto`` dtypes chosen as on a CPU without, then with, native bfloat16 (``loading.cpu_has_native_bfloat16``),
+    whatever this CPU has: a test that asserts what ``auto`` picked runs both ways on every machine."""
+    from draftsmith.specdec import loading, stream
+
+    for module in (loading, stream):  # stream holds its own reference to the function
+        monkeypatch.setattr(module, "cpu_has_native_bfloat16", lambda: request.param)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """The bundled decoder on one thread, as a vLLM server beside it: two OpenMP threads crawl on a

@@ -6,12 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 
 from draftsmith.cli import main
-from draftsmith.distill.dataset_builder import load_built, read_self_prompts, shard_paths
+from draftsmith.distill.dataset_builder import load_built, read_self_prompts, read_shard, shard_paths
 from tests.helpers import save_tiny_pair
 
 ROOT = Path(__file__).parents[2]
@@ -92,7 +91,7 @@ def test_killed_build_resumes_without_duplicates_or_loss(target, tmp_path):
         [sys.executable, "-c", KILLED_RUN, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == -9, result.stderr[-3000:]
-    assert [p.name for p in shard_paths(killed)] == ["shard-r0-00000", "shard-r0-00001"]
+    assert [p.name for p in shard_paths(killed)] == ["train-r0-00000.parquet", "train-r0-00001.parquet"]
     assert len(load_built(killed)) == 8
     assert json.loads((killed / "manifest.json").read_text())["complete"] is False
 
@@ -128,6 +127,37 @@ def test_more_prompts_are_appended_and_a_changed_setting_is_refused(target, tmp_
     assert len(load_built(out)) == 9
 
 
+# Run with nothing of draftsmith importable (another folder, no PYTHONPATH): the datasets library alone.
+LOAD_ALONE = """
+import json, sys
+import datasets
+rows = datasets.load_dataset(sys.argv[1], split="train", cache_dir=sys.argv[2])
+drafted = sorted(name for name in sys.modules if name.split(".")[0] in ("draftsmith", "scripts", "distill"))
+print(json.dumps({"keys": sorted([r["prompt_id"], r["sample"]] for r in rows), "imported": drafted}))
+"""
+
+
+def test_a_built_and_appended_dataset_loads_with_the_datasets_library_alone(target, tmp_path):
+    out = tmp_path / "d"
+    base = ["data", "--target", str(target), "--prompts", "builtin", "--max-new-tokens", "8", "--shard-rows", "3"]
+    assert main([*base, "--max-samples", "4", "--no-progress", "--output", str(out)]) == 0
+    assert main([*base, "--max-samples", "7", "--no-progress", "--output", str(out)]) == 0  # appends 3 rows
+    ours = sorted([k, s] for k, s in keys_and_answers(out))
+    assert len(ours) == 7
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", LOAD_ALONE, str(out), str(tmp_path / "hf-cache")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.splitlines()[-1])
+    assert loaded == {"keys": ours, "imported": []}
+
+
 def test_a_prompt_file_with_a_column_map_and_bad_rows_skipped(target, tmp_path, capsys):
     rows = [{"q": f"w{3 + k} w{10 + k} w{20 + k % 5}"} for k in range(5)] + [{"other": "x"}]
     path = tmp_path / "prompts.jsonl"
@@ -139,7 +169,7 @@ def test_a_prompt_file_with_a_column_map_and_bad_rows_skipped(target, tmp_path, 
     argv = [*base, "--column-map", "prompt=q", "--skip-bad-rows", "--output", str(out), "--max-new-tokens", "8"]
     assert main(argv) == 0
     assert "skipped 1 bad row(s) of 6" in capsys.readouterr().err
-    rows_out = datasets.load_from_disk(str(shard_paths(out)[0]))
+    rows_out = read_shard(shard_paths(out)[0])
     assert sorted(rows_out["prompt_id"]) == ["0", "1", "2", "3", "4"]
     assert all(len(a) <= 8 for a in rows_out["answer_ids"])
 
@@ -150,7 +180,10 @@ def test_a_prompt_file_with_a_column_map_and_bad_rows_skipped(target, tmp_path, 
         (["--prompts", "self"], "--prompts self needs --num-prompts N"),
         (["--prompts", "builtin", "--num-prompts", "5"], "cap a prompt source with --max-samples"),
         (["--prompts", "self", "--num-prompts", "5", "--topics", "cooking"], "unknown topic(s) cooking"),
-        (["--prompts", "builtin", "--samples-per-prompt", "2", "--temperature", "0"], "greedy answers are all"),
+        (
+            ["--prompts", "builtin", "--samples-per-prompt", "2", "--temperature", "0"],
+            "--samples-per-prompt applies to",
+        ),
         (["--prompts", "./missing.jsonl"], "prompt file not found: ./missing.jsonl"),
     ],
 )

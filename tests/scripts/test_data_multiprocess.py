@@ -6,10 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import datasets
-
 from draftsmith.cli import main
-from draftsmith.distill.dataset_builder import load_built, read_self_prompts, shard_paths
+from draftsmith.distill.dataset_builder import load_built, read_self_prompts, read_shard, shard_paths
 from tests.helpers import save_tiny_pair
 
 ROOT = Path(__file__).parents[2]
@@ -62,8 +60,8 @@ def test_two_processes_write_disjoint_shards_and_one_process_extends_them(tmp_pa
 
     by_rank = {}
     for rank in (0, 1):
-        paths = [p for p in shard_paths(out) if p.name.startswith(f"shard-r{rank}-")]
-        by_rank[rank] = [i for p in paths for i in datasets.load_from_disk(str(p))["prompt_id"]]
+        paths = [p for p in shard_paths(out) if p.name.startswith(f"train-r{rank}-")]
+        by_rank[rank] = [i for p in paths for i in read_shard(p)["prompt_id"]]
     assert len(by_rank[0]) == len(by_rank[1]) == 5  # every second prompt each
     assert not set(by_rank[0]) & set(by_rank[1])
     prompts = read_self_prompts(out)

@@ -10,6 +10,7 @@ from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
 from draftsmith.cli import main
+from draftsmith.specdec.loading import resolve_dtype
 from draftsmith.specdec.measure.hf_compare import AssistedRounds, hf_generate
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.train.config import DistillConfig, load_config, load_run_config
@@ -91,7 +92,8 @@ def test_model_card_carries_the_measured_results_as_metadata(published):
     assert results["speedup"].metric_value == pytest.approx(best["speedup"])
     assert results["gamma"].metric_value == best["best_gamma"]
     args = results["speedup"].metric_args
-    assert args["hardware"] == report["hardware"] and args["dtype"] == "float32" and args["draft_vocab"] == 12
+    auto = str(resolve_dtype(None, torch.device("cpu"))).removeprefix("torch.")  # eval-run ran with --dtype auto
+    assert args["hardware"] == report["hardware"] and args["dtype"] == auto and args["draft_vocab"] == 12
     assert args["temperature"] == 0.0 and args["gamma"] == best["best_gamma"]
     # The usage runs as written: the draft's own path, no gamma argument (its generation config has it).
     assert f'AutoModelForCausalLM.from_pretrained("{draft_dir.resolve()}")' in card.text

@@ -56,7 +56,7 @@ def test_eval_run_measures_every_checkpoint_once(run_dir, capsys):
     assert "measuring " not in capsys.readouterr().out  # nothing measured twice
 
 
-def test_eval_run_times_the_baseline_once_and_c_once_per_architecture(run_dir, monkeypatch):
+def test_eval_run_times_the_baseline_once_and_c_once_per_architecture(run_dir, monkeypatch, native_bfloat16):
     baselines, given_c = [], []
 
     def counted_baseline(target, tokenizer, settings):
@@ -73,7 +73,9 @@ def test_eval_run_times_the_baseline_once_and_c_once_per_architecture(run_dir, m
     assert baselines == [0.0, 1.0]  # one target-only baseline per temperature for the three drafts
     report = json.loads((run_dir / "speedup_report.json").read_text())
     [(key, shared)] = report["draft_cost_ratios"].items()  # the run's drafts share one architecture
-    assert key.endswith("float32, full head") and shared["measured_on"] == "initial"
+    auto = "bfloat16" if native_bfloat16 else "float32"  # what --dtype auto picks on such a CPU
+    assert key.endswith(f"{auto}, full head") and shared["measured_on"] == "initial"
+    assert report["dtype"] == auto
     c = shared["cost_ratio_c"]
     assert given_c == [None] + [c] * 5  # measured on the first draft, then given to the other five
     assert report["results"]["initial"]["0.0"]["measured_cost_ratio"]["cost_ratio_c"] == c

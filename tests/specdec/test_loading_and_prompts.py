@@ -1,11 +1,22 @@
 """Model specs, compatibility checks and prompt files: the error messages users see."""
 
 import json
+import struct
+import time
 
 import pytest
+import torch
 
+from draftsmith.specdec import loading
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.loading import check_compatible, convert_gguf, resolve_model
+from draftsmith.specdec.loading import (
+    check_compatible,
+    convert_gguf,
+    resolve_dtype,
+    resolve_model,
+    same_model,
+    vocab_size,
+)
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 from tests.helpers import tiny_tokenizer
 
@@ -24,7 +35,67 @@ def test_resolve_local_folder_and_errors(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(DraftsmithError, match="is a file, not a model folder"):
         resolve_model(str(tmp_path / "notes.txt"))
+
+
+def test_a_hub_id_passes_through_when_the_hub_is_reachable(monkeypatch):
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)
     assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with pytest.raises(
+        DraftsmithError, match="unknown model alias 'smollm2-135m' \\(did you mean smollm2-135m-instruct"
+    ):
+        resolve_model("smollm2-135m")  # a near miss of an alias is not sent to the hub
+
+
+def test_without_the_hub_an_unknown_name_is_refused_at_once_with_the_aliases(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    with pytest.raises(DraftsmithError, match="unknown model alias 'gpt-9' \\(known aliases: smollm2-135m-instruct\\)"):
+        resolve_model("gpt-9")
+    with pytest.raises(
+        DraftsmithError, match="not in the hub cache, and the hub is not reachable \\(HF_HUB_OFFLINE is set\\)"
+    ):
+        resolve_model("someone/no-such-model")
+    assert time.perf_counter() - started < 2
+
+
+def test_a_host_that_does_not_resolve_is_said_fast():
+    started = time.perf_counter()
+    assert loading.host_unresolved("no-such-host.invalid") == "no-such-host.invalid does not resolve"
+    assert time.perf_counter() - started < 3
+
+
+def test_the_same_model_through_a_symbolic_link(tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "link").symlink_to(model)
+    monkeypatch.chdir(tmp_path)
+    assert same_model(str(model), str(tmp_path / "link")) and same_model("model", "./link/")
+    assert not same_model(str(model), str(tmp_path / "other")) and not same_model("tiny", "smollm2-135m-instruct")
+
+
+def write_gguf_header(path, fields: list[tuple[str, int, bytes]]) -> None:
+    """A GGUF file's header with these key/value fields (type id, packed value) and no tensors."""
+    out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields))
+    for key, kind, value in fields:
+        out += struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + value
+    path.write_bytes(out)
+
+
+def test_the_vocabulary_size_is_read_from_a_gguf_header(tmp_path):
+    name = b"llama"
+    tokens = struct.pack("<IQ", 8, 3) + b"".join(struct.pack("<Q", len(t)) + t for t in (b"a", b"bc", b"d"))
+    fields = [
+        ("general.name", 8, struct.pack("<Q", len(name)) + name),
+        ("llama.block_count", 4, struct.pack("<I", 30)),
+        ("tokenizer.ggml.scores", 9, struct.pack("<IQ", 6, 3) + struct.pack("<3f", 0.0, 1.0, 2.0)),
+    ]
+    write_gguf_header(tmp_path / "a.gguf", [*fields, ("llama.vocab_size", 4, struct.pack("<I", 49152))])
+    write_gguf_header(tmp_path / "b.gguf", [*fields, ("tokenizer.ggml.tokens", 9, tokens)])
+    assert vocab_size(str(tmp_path / "a.gguf")) == 49152
+    assert vocab_size(str(tmp_path / "b.gguf")) == 3  # no vocab_size key: the token list's length
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"vocab_size": 32}))
+    assert vocab_size(str(tmp_path / "m")) == 32
 
 
 def test_gguf_that_is_not_a_model_is_refused(tmp_path):
@@ -103,3 +174,12 @@ def test_load_model_with_a_device_map(tmp_path):
     model = load_model(str(target), torch.device("cpu"), torch.float32, device_map="cpu")
     assert model.device.type == "cpu" and not model.training
     assert all(not p.requires_grad for p in model.parameters())
+
+
+def test_auto_dtype_follows_the_cpus_bfloat16(native_bfloat16, capsys):
+    cpu = torch.device("cpu")
+    assert resolve_dtype(None, cpu) == (torch.bfloat16 if native_bfloat16 else torch.float32)
+    assert resolve_dtype("auto", cpu) == resolve_dtype(None, cpu)
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16  # asked for: honoured either way
+    emulated = "note: this CPU has no native bfloat16" in capsys.readouterr().err
+    assert emulated == (not native_bfloat16)

@@ -1,0 +1,288 @@
+"""Bad input to every command, as a careless user gives it: exit 2 with one line on stderr and no traceback,
+before any model loads, and every folder of the user's left byte for byte as it was.
+
+The commands run in-process (``draftsmith.cli.main``) on a tiny run trained once for the module; the
+paths in a case's arguments are filled in from ``world`` (``{run}``, ``{user}``, ...).
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from draftsmith import eval as eval_cmd
+from draftsmith.checks import check_eval_options
+from draftsmith.cli import main
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.train.config import DistillConfig, config_path, load_config
+from draftsmith.train.loop import train
+from tests.helpers import save_tiny_pair
+
+ROOT = Path(__file__).parents[2]
+PROMPTS = str(ROOT / "distill" / "data" / "eval_prompts.jsonl")
+MEASURE = ["--prompts", PROMPTS, "--limit", "1", "--max-new-tokens", "4", "--gammas", "1"]
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every file's bytes and every folder (None) under ``folder``, by relative path."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny run (initial/, checkpoint-2), a draft published from it, a user's own folder and file, a tiny
+    (target, draft) pair saved to disk, datasets that may not train, and files a careless user passes."""
+    root = tmp_path_factory.mktemp("world")
+    overrides = ["max_steps=2", "save_steps=2", "log_steps=2", "heldout=2", "max_samples=10", "gen_max_new_tokens=8"]
+    cfg = load_config(DistillConfig, config_path("tiny"), [f"output_dir={root / 'run'}", *overrides])
+    run = train(cfg).run_dir
+    assert main(["publish", str(run / "checkpoint-2"), "--out", str(root / "pub")]) == 0
+    paths = {"root": root, "run": run, "ckpt": run / "checkpoint-2", "pub": root / "pub"}
+    paths["user"] = root / "user"
+    paths["user"].mkdir()
+    (paths["user"] / "notes.txt").write_text("my notes\n")
+    paths["file"] = root / "a-file.txt"
+    paths["file"].write_text("not a folder\n")
+    paths["under_file"] = paths["file"] / "sub"  # cannot be created, whoever runs the test
+    paths["folder"] = root / "a-folder"
+    paths["folder"].mkdir()
+    paths["target"], paths["draft"] = save_tiny_pair(root / "pair")
+    paths["badjson"] = root / "bad.jsonl"
+    paths["badjson"].write_text('{"prompt": "one"}\n{"prompt": "two",\n')
+    paths["empty_yaml"] = root / "empty.yaml"
+    paths["empty_yaml"].write_text("# nothing set\n")
+    paths["dup_yaml"] = root / "dup.yaml"
+    paths["dup_yaml"].write_text("target: tiny\nlr: 0.01\nmax_steps: 2\nlr: 0.02\n")
+    paths["nested_yaml"] = root / "nested.yaml"
+    paths["nested_yaml"].write_text("target: tiny\ntiny_target: {num_layers: 2}\n")
+    for name, complete, target in (("incomplete", False, "tiny"), ("other_target", True, "smollm2-135m-instruct")):
+        paths[name] = root / name
+        paths[name].mkdir()
+        manifest = {"settings": {"target": target}, "complete": complete}
+        (paths[name] / "manifest.json").write_text(json.dumps(manifest))
+    return paths
+
+
+def refused(argv: list[str], world: dict, capsys) -> str:
+    """Run ``draftsmith ARGV`` (placeholders filled from ``world``); assert it refused in one line; the line."""
+    code = main([arg.format(**world) for arg in argv])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert "Traceback" not in captured.err
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
+    return captured.err
+
+
+# The three cases that destroyed data, and their neighbours: refused, every folder unchanged.
+DATA_SAFETY = [
+    ("publish_over_its_own_run", ["publish", "{ckpt}", "--out", "{run}", "--overwrite"], "holds the checkpoint"),
+    ("publish_over_its_checkpoint", ["publish", "{ckpt}", "--out", "{ckpt}", "--overwrite"], "is the checkpoint"),
+    ("publish_into_another_checkpoint", ["publish", "{ckpt}", "--out", "{run}/initial", "--overwrite"], "its run"),
+    ("publish_inside_its_run", ["publish", "{ckpt}", "--out", "{run}/draft"], "lies inside its run"),
+    ("publish_over_the_run_holding_it", ["publish", "{run}/initial", "--out", "{root}", "--overwrite"], "holds the"),
+    ("publish_over_a_users_folder", ["publish", "{ckpt}", "--out", "{user}", "--overwrite"], "not written by"),
+    ("publish_over_a_dataset", ["publish", "{ckpt}", "--out", "{incomplete}", "--overwrite"], "is a dataset"),
+    ("publish_over_a_published_draft", ["publish", "{ckpt}", "--out", "{pub}"], "pass --overwrite to replace it"),
+    (
+        "quickstart_over_a_users_draft_folder",
+        ["quickstart", "--output-dir", "{quick}", "--config", "tiny", *MEASURE],
+        "/draft is not empty and was not written by draftsmith publish",
+    ),
+    ("distill_into_a_users_folder", ["distill", "--config", "tiny", "output_dir={user}"], "holds no run"),
+]
+
+
+@pytest.mark.parametrize("argv, message", [c[1:] for c in DATA_SAFETY], ids=[c[0] for c in DATA_SAFETY])
+def test_data_safety_refusals_leave_every_folder_byte_identical(world, tmp_path, capsys, argv, message):
+    quick = tmp_path / "quick"
+    (quick / "draft").mkdir(parents=True)
+    (quick / "draft" / "model-notes.md").write_text("the user's own file\n")
+    before = snapshot(world["root"]), snapshot(quick)
+    started = time.perf_counter()
+    assert message in refused(argv, {**world, "quick": quick}, capsys)
+    assert time.perf_counter() - started < 10  # refused before any training or model load
+    assert (snapshot(world["root"]), snapshot(quick)) == before
+
+
+def test_overwrite_replaces_a_published_draft_but_not_a_file_added_to_it(world, tmp_path, capsys):
+    out = tmp_path / "pub"
+    assert main(["publish", str(world["run"] / "initial"), "--out", str(out)]) == 0
+    marker = json.loads((out / ".draftsmith-published").read_text())
+    assert marker["checkpoint"] == str((world["run"] / "initial").resolve())
+    assert "model.safetensors" in marker["files"] and "README.md" in marker["files"]
+    (out / "mine.txt").write_text("added by the user\n")
+    before = snapshot(out)
+    assert "also holds mine.txt; move it out first" in refused(
+        ["publish", "{ckpt}", "--out", str(out), "--overwrite"], world, capsys
+    )
+    assert snapshot(out) == before
+    (out / "mine.txt").unlink()
+    initial_weights = (out / "model.safetensors").read_bytes()
+    assert main(["publish", str(world["ckpt"]), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "model.safetensors").read_bytes() == (world["ckpt"] / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() != initial_weights
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pub"]  # nothing left aside
+
+
+def test_overwrite_fills_an_empty_folder(world, tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert main(["publish", str(world["ckpt"]), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "model.safetensors").read_bytes() == (world["ckpt"] / "model.safetensors").read_bytes()
+
+
+DATA = ["data", "--target", "{target}", "--output", "{root}/new-data", "--no-progress"]
+BUILTIN = [*DATA, "--prompts", "builtin"]
+DISTILL = ["distill", "--config", "tiny"]
+EVAL_RUN = ["eval-run", "{run}", "--no-progress"]
+QUICK = ["quickstart", "--output-dir", "{root}/quick-new", "--config", "tiny"]
+
+# (id, arguments, what the one line says): every command, before anything loads.
+CASES = [
+    # draftsmith data
+    ("data_output_is_a_file", [*DATA[:3], "--output", "{file}", "--prompts", "builtin"], "is a file, not a folder"),
+    ("data_output_under_a_file", [*DATA[:3], "--output", "{under_file}"], "nothing can be written under it"),
+    ("data_output_is_a_users_folder", [*DATA[:3], "--output", "{user}", "--prompts", "builtin"], "not a draftsmith"),
+    (
+        "data_output_of_another_target",
+        [*DATA[:3], "--output", "{other_target}", "--prompts", "builtin"],
+        "built with",
+    ),
+    ("data_greedy_with_top_p", [*BUILTIN, "--temperature", "0", "--top-p", "0.9"], "--top-p applies to sampled"),
+    ("data_greedy_with_top_k", [*BUILTIN, "--temperature", "0", "--top-k", "5"], "--top-k applies to sampled"),
+    ("data_greedy_with_samples", [*BUILTIN, "--temperature", "0", "--samples-per-prompt", "2"], "--samples-per-prompt"),
+    ("data_prompt_temperature_without_self", [*BUILTIN, "--prompt-temperature", "0.5"], "self-written prompts"),
+    ("data_any_prompt_text_without_self", [*BUILTIN, "--any-prompt-text"], "--any-prompt-text applies to self"),
+    ("data_teacher_cache_zero", [*BUILTIN, "--teacher-cache", "0"], "--teacher-cache must be 1 to the target's"),
+    ("data_teacher_cache_above_vocab", [*BUILTIN, "--teacher-cache", "100"], "vocabulary (32), got 100"),
+    ("data_batch_size_zero", [*BUILTIN, "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    ("data_shard_rows_zero", [*BUILTIN, "--shard-rows", "0"], "--shard-rows must be >= 1, got 0"),
+    ("data_max_new_tokens_zero", [*BUILTIN, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    ("data_engine_url_without_vllm", [*BUILTIN, "--engine-url", "http://127.0.0.1:9"], "applies to --engine vllm"),
+    ("data_self_without_a_count", [*DATA, "--prompts", "self"], "--prompts self needs --num-prompts N"),
+    ("data_count_of_a_prompt_file", [*BUILTIN, "--num-prompts", "5"], "cap a prompt source with --max-samples"),
+    ("data_prompts_with_bad_json", [*DATA, "--prompts", "{badjson}"], "bad.jsonl, line 2: not valid JSON"),
+    ("data_prompts_folder", [*DATA, "--prompts", "{folder}"], "a-folder is a folder but not one written by"),
+    ("data_unknown_alias", ["data", "--target", "smollm2", "--output", "{root}/x", "--prompts", "builtin"], "alias"),
+    # draftsmith distill
+    ("distill_without_a_config", ["distill"], "distill needs --config: a YAML file, or a shipped config (smollm2"),
+    ("distill_empty_config", ["distill", "--config", "{empty_yaml}"], "empty.yaml is empty; a config says what"),
+    ("distill_duplicate_yaml_key", ["distill", "--config", "{dup_yaml}"], "key 'lr' appears twice (lines 2 and 4)"),
+    ("distill_unknown_tiny_target_key", ["distill", "--config", "{nested_yaml}"], "did you mean num_hidden_layers?"),
+    ("distill_unknown_nested_override", [*DISTILL, "tiny_target={{hiden_size: 8}}"], "field 'hiden_size'"),
+    ("distill_unknown_column_map_field", [*DISTILL, "column_map={{promt: q}}"], "column_map: unknown field 'promt'"),
+    ("distill_misspelled_key", [*DISTILL, "lrr=0.1"], "unknown config key 'lrr' in override (did you mean lr?)"),
+    ("distill_override_given_twice", [*DISTILL, "lr=0.1", "lr=0.2"], "override lr= is given twice"),
+    ("distill_config_not_found", ["distill", "--config", "tiyn"], "config not found: tiyn (give a YAML file"),
+    ("distill_config_is_a_folder", ["distill", "--config", "{folder}"], "a-folder is a folder; give a YAML file"),
+    ("distill_output_dir_under_a_file", [*DISTILL, "output_dir={under_file}"], "nothing can be written under it"),
+    ("distill_output_dir_is_a_file", [*DISTILL, "output_dir={file}"], "is an existing file; give a folder path"),
+    ("distill_incomplete_dataset", [*DISTILL, "dataset={incomplete}"], "or set allow_incomplete=true"),
+    ("distill_dataset_of_another_target", [*DISTILL, "dataset={other_target}"], "holds answers of target"),
+    ("distill_bad_number", [*DISTILL, "max_steps=ten"], "config field 'max_steps': 'ten' is not a valid int"),
+    # draftsmith eval-run
+    ("eval_run_gamma_zero", [*EVAL_RUN, "--gammas", "0,2"], "--gammas must all be >= 1, got 0,2"),
+    ("eval_run_gammas_not_numbers", [*EVAL_RUN, "--gammas", "a,b"], "--gammas must be a comma-separated list"),
+    ("eval_run_limit_zero", [*EVAL_RUN, "--limit", "0"], "--limit must be >= 1"),
+    ("eval_run_max_new_tokens_zero", [*EVAL_RUN, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    ("eval_run_prompts_folder", [*EVAL_RUN, "--prompts", "{folder}"], "a-folder is a folder; give a JSONL file"),
+    ("eval_run_prompts_bad_json", [*EVAL_RUN, "--prompts", "{badjson}"], "bad.jsonl, line 2: not valid JSON"),
+    ("eval_run_draft_vocab_above_vocab", [*EVAL_RUN, "--draft-vocab", "1000"], "vocabulary (103 tokens)"),
+    ("eval_run_draft_vocab_negative", [*EVAL_RUN, "--draft-vocab", "-1"], "--draft-vocab must be >= 0"),
+    ("eval_run_tree_budget_zero", [*EVAL_RUN, "--trees", "3,2:0"], "budget must be 1 to 8 (the shape 3,2 has 9"),
+    ("eval_run_tree_budget_above_size", [*EVAL_RUN, "--trees", "3,2:50"], "for the fixed tree leave out :50"),
+    ("eval_run_negative_temperature", [*EVAL_RUN, "--temperatures", "0,-1"], "--temperatures must all be >= 0"),
+    ("eval_run_repeats_zero", [*EVAL_RUN, "--repeats", "0"], "--repeats must be >= 1"),
+    ("eval_run_engine_batch_zero", [*EVAL_RUN, "--engine", "vllm", "--engine-batch-sizes", "0,1"], "must be >= 1"),
+    ("eval_run_engine_threads_alone", [*EVAL_RUN, "--engine-threads", "2"], "--engine-threads applies to --engine"),
+    ("eval_run_not_a_run", ["eval-run", "{folder}"], "a-folder is not a distillation run folder"),
+    # draftsmith publish
+    ("publish_private_without_push", ["publish", "{ckpt}", "--out", "{root}/x", "--private"], "add --push-to-hub"),
+    ("publish_bad_repo_id", ["publish", "{ckpt}", "--out", "{root}/x", "--push-to-hub", "draft"], "owner/name"),
+    ("publish_out_is_a_file", ["publish", "{ckpt}", "--out", "{file}"], "is a file, not a folder"),
+    ("publish_out_under_a_file", ["publish", "{ckpt}", "--out", "{under_file}"], "nothing can be written under it"),
+    ("publish_run_without_ranking", ["publish", "{run}", "--out", "{root}/x"], "run draftsmith eval-run"),
+    ("publish_missing_checkpoint", ["publish", "{run}/checkpoint-9", "--out", "{root}/x"], "checkpoint not found"),
+    # draftsmith quickstart: its evaluation and publishing options, before any training
+    ("quickstart_gamma_zero", [*QUICK, "--gammas", "0"], "--gammas must all be >= 1"),
+    ("quickstart_gammas_not_numbers", [*QUICK, "--gammas", "1;2"], "--gammas must be a comma-separated list"),
+    ("quickstart_limit_zero", [*QUICK, "--limit", "0"], "--limit must be >= 1"),
+    ("quickstart_max_new_tokens_zero", [*QUICK, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    ("quickstart_prompts_folder", [*QUICK, "--prompts", "{folder}"], "a-folder is a folder; give a JSONL file"),
+    ("quickstart_prompts_bad_json", [*QUICK, "--prompts", "{badjson}"], "bad.jsonl, line 2: not valid JSON"),
+    ("quickstart_draft_vocab_above_vocab", [*QUICK, "--draft-vocab", "1000"], "vocabulary (103 tokens)"),
+    ("quickstart_draft_vocab_negative", [*QUICK, "--draft-vocab", "-5"], "--draft-vocab must be >= 0"),
+    ("quickstart_output_dir_override", [*QUICK, "output_dir=elsewhere"], "give --output-dir instead"),
+    ("quickstart_output_dir_is_a_file", [*QUICK[:1], "--output-dir", "{file}"], "is a file, not a folder"),
+    ("quickstart_output_dir_under_a_file", [*QUICK[:1], "--output-dir", "{under_file}"], "written under it"),
+    ("quickstart_empty_config", [*QUICK[:3], "--config", "{empty_yaml}"], "is empty; a config says what"),
+    ("quickstart_unknown_override", [*QUICK, "max_stpes=3"], "did you mean max_steps?"),
+    ("quickstart_incomplete_dataset", [*QUICK, "dataset={incomplete}"], "is an incomplete build"),
+]
+
+
+@pytest.mark.parametrize("argv, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_before_any_work(world, capsys, argv, message):
+    before = snapshot(world["root"])
+    started = time.perf_counter()
+    assert message in refused(argv, world, capsys)
+    assert time.perf_counter() - started < 10
+    assert snapshot(world["root"]) == before
+
+
+def test_the_table_covers_every_command():
+    cases = DATA_SAFETY + CASES + EVAL_CASES
+    assert len(cases) >= 60
+    commands = {c[1][0] for c in DATA_SAFETY + CASES} | {"eval"}
+    assert commands == {"data", "distill", "eval", "eval-run", "publish", "quickstart"}
+
+
+EVAL = ["--target", "{target}", "--draft", "{draft}", "--prompts", PROMPTS]
+
+# draftsmith eval's own refusals (``checks.check_eval_options``), and the ones its main makes before loading.
+EVAL_CASES = [
+    ("gamma_with_a_tree", [*EVAL, "--gamma", "3", "--tree", "3,2"], "--gamma sets a chain's length and --tree"),
+    ("tree_budget_zero", [*EVAL, "--tree", "3,2:0"], "a dynamic tree's budget must be 1 to 8"),
+    ("tree_budget_above_size", [*EVAL, "--tree", "2,2:7"], "budget must be 1 to 5 (the shape 2,2 has 6 nodes)"),
+    ("top_k_when_greedy", [*EVAL, "--top-k", "5"], "--top-k applies when sampling; with --temperature 0"),
+    ("top_p_when_greedy", [*EVAL, "--top-p", "0.9"], "--top-p applies when sampling"),
+    ("draft_greedy_when_greedy", [*EVAL, "--draft-greedy"], "--draft-greedy applies when sampling"),
+    ("json_under_a_file", [*EVAL, "--json", "{under_file}"], "--json {under_file}: {file} is a file"),
+    ("json_is_a_folder", [*EVAL, "--json", "{folder}"], "a-folder is a folder, not a file: give a file path"),
+    ("draft_vocab_above_vocab", [*EVAL, "--draft-vocab", "32"], "not smaller than the model's vocabulary (32"),
+    ("repeats_zero", [*EVAL, "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    ("prompts_folder", [*EVAL[:4], "--prompts", "{folder}"], "a-folder is a folder; give a JSONL file"),
+]
+
+
+def eval_checks(argv: list[str]) -> int:
+    """``draftsmith eval``'s option checks as the command line runs them: exit 2 and one line."""
+    try:
+        check_eval_options(eval_cmd.build_parser().parse_args(argv))
+    except DraftsmithError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+@pytest.mark.parametrize("argv, message", [c[1:] for c in EVAL_CASES], ids=[c[0] for c in EVAL_CASES])
+def test_eval_options_are_refused_before_loading(world, capsys, argv, message):
+    code = eval_checks([arg.format(**world) for arg in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message.format(**world) in err, err
+
+
+# What eval's main refuses itself before any model loads.
+EVAL_MAIN_CASES = [
+    ("unknown_alias", ["eval", "--target", "smollm2-135", "--draft", "self"], "did you mean smollm2-135m-instruct?"),
+    ("tree_budget_zero", ["eval", *EVAL, "--tree", "3,2:0"], "budget must be 1 to 8"),
+    ("prompts_bad_json", ["eval", *EVAL[:4], "--prompts", "{badjson}"], "bad.jsonl, line 2: not valid JSON"),
+    ("engine_batch_zero", ["eval", *EVAL, "--engine", "vllm", "--engine-batch-sizes", "0"], "must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv, message", [c[1:] for c in EVAL_MAIN_CASES], ids=[c[0] for c in EVAL_MAIN_CASES])
+def test_eval_refuses_before_loading(world, capsys, argv, message):
+    assert message in refused(argv, world, capsys)
