@@ -235,25 +235,31 @@ def speculative_generate(
         live = list(range(batch))  # the sequence in each row of the models' batches
         while live := _drop_finished(out, live, [verifier, drafter], device):
             if options.tree is not None:  # the same four steps over a token tree (tree_drafting)
-                _tree_round(out, stats, verifier, drafter, options, generator, clock)
+                _tree_round(Progress(out, stats, clock, generator, device), verifier, drafter, options)
                 continue
-            _chain_round(out, stats, live, verifier, drafter, options, generator, clock, device)
+            _chain_round(Progress(out, stats, clock, generator, device), live, verifier, drafter, options)
     stats.total_time = clock.total()
     return out.tokens, stats
 
 
+@dataclass
+class Progress:
+    """What every round of one decoding call updates or reads: the outputs, the counters, the clock,
+    the random generator of sampling, and the device the target decodes on."""
+
+    out: Outputs
+    stats: DecodeStats
+    clock: Clock
+    generator: torch.Generator | None
+    device: torch.device
+
+
 def _chain_round(
-    out: Outputs,
-    stats: DecodeStats,
-    live: list[int],
-    verifier: Verifier,
-    drafter: Drafter,
-    options: DecodeOptions,
-    generator: torch.Generator | None,
-    clock: Clock,
-    device: torch.device,
+    progress: Progress, live: list[int], verifier: Verifier, drafter: Drafter, options: DecodeOptions
 ) -> None:
     """One round for the ``live`` sequences (one per batch row): draft, verify, accept, commit."""
+    out, stats, clock, generator = progress.out, progress.stats, progress.clock, progress.generator
+    device = progress.device
     # 1. Draft: up to gamma tokens each, never past max_new_tokens (a round emits n + 1).
     budget = torch.tensor([min(options.gamma, out.remaining(seq) - 1) for seq in live], device=device)
     proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
@@ -334,16 +340,9 @@ def standalone_pair(
     return verifier, LMDrafter(draft, batch_size, capacity, cache_kind, compiled=compiled)
 
 
-def _tree_round(
-    out: Outputs,
-    stats: DecodeStats,
-    verifier: Verifier,
-    drafter: Drafter,
-    options: DecodeOptions,
-    generator: torch.Generator | None,
-    clock: Clock,
-) -> None:
+def _tree_round(progress: Progress, verifier: Verifier, drafter: Drafter, options: DecodeOptions) -> None:
     """One round over a token tree for the one live sequence (0): draft, verify, accept, commit."""
+    out, stats, clock, generator = progress.out, progress.stats, progress.clock, progress.generator
     sequence = out.sequences[0]
     # Never past max_new_tokens: a round emits the path plus one token.
     tree = drafter.propose_tree(sequence, options.tree, max_depth=min(options.tree.depth, out.remaining(0) - 1))
