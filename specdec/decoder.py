@@ -319,6 +319,7 @@ def decoding_pair(
         raise DraftsmithError(f"tree decoding takes one prompt at a time, got a batch of {len(prompts)}")
     capacity = decoding_capacity(prompts, max_new_tokens, options)
     if isinstance(draft, PairedDraft):
+        draft.decodes_compiled(target, options)  # refuses options.compile where the pair cannot compile
         return draft.decoding_pair(target, len(prompts), capacity, options)
     return standalone_pair(target, draft, len(prompts), capacity, options)
 
