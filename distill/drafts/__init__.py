@@ -2,6 +2,7 @@
 
 - ``lm``: a standalone causal LM (truncated target, new config, pretrained, LoRA), ``lm.py``;
 - ``early_exit``: the target's first k layers (shared, with its KV cache) and an exit head, ``early_exit.py``;
+- ``parallel``: a standalone LM with a mask token that proposes K tokens in one forward (PARD), ``parallel.py``;
 - ``eagle3``: an EAGLE-3 head on the target's low, middle and high hidden states (one layer, its own
   vocabulary), served by vLLM from the speculators layout, ``eagle3.py``.
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.distill.drafts import eagle3, early_exit, lm
+from draftsmith.distill.drafts import eagle3, early_exit, lm, parallel
 from draftsmith.distill.drafts.kind import DraftKind, DraftSettings, Serving
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import load_model
@@ -32,7 +33,7 @@ __all__ = [
     "load_draft",
 ]
 
-KINDS: dict[str, DraftKind] = {kind.name: kind for kind in (lm.KIND, early_exit.KIND, eagle3.KIND)}
+KINDS: dict[str, DraftKind] = {kind.name: kind for kind in (lm.KIND, early_exit.KIND, parallel.KIND, eagle3.KIND)}
 
 
 def register(kind: DraftKind) -> None:

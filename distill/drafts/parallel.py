@@ -1,0 +1,560 @@
+"""The parallel draft kind (PARD, An et al. 2025): a standalone draft LM that proposes K tokens in ONE forward.
+
+A standalone draft LM (built as ``lm.py`` builds one: truncated target, new config, pretrained)
+plus a mask token: an id of the target's vocabulary that the data never uses (vLLM requires the
+draft's vocabulary to be the target's, so no row is added; where the data does use it, a real
+occurrence looks like a mask to the draft: decoding stays exact, acceptance suffers). Fed
+``[x_1 .. x_n, m_1 .. m_{K-1}]``, the draft's output at x_n is its ordinary next-token
+distribution q_1, and its output at mask m_j is q_{j+1}: its guess for the token j places further
+on, without the tokens in between. Drafting K tokens then costs one draft forward over a few more
+rows instead of K forwards.
+
+**Decoding** (``ParallelDrafter``). Each round is ONE draft forward over the committed tokens the
+draft has not read (the last round's accepted drafts and the target's token after them) followed by
+K-1 masks, at consecutive positions. The K proposals are drawn from the K output rows: the argmax,
+or a sample from the processed q_j (temperature, top-k, top-p), and q_j is what the acceptance rule
+gets. The acceptance rule is unchanged, so the output is the target's exactly: speculative
+sampling needs d_j drawn from the q_j it reports, whatever q_j is conditioned on, and here q_j sees
+x_1..x_n only. Right after the forward the masks' keys and values are cropped from the draft's
+cache (``ModelStream.rollback`` to the committed length): the decoder's own rollback after
+acceptance would keep the first ``a`` of them, in the places where the accepted drafts belong. So
+the draft's cache lags the committed text by the accepted drafts plus the target's token, which it
+reads at the start of the next round (as vLLM's proposer does, which overwrites the masks' slots).
+Dynamic gamma cuts each sequence's chain after its first position whose ``max q_j`` is below the
+threshold. A token tree's level j is the top-k of q_j: every node of a level gets the same
+candidates, whatever its parent (deterministic candidates, so the tree acceptance stays exact).
+
+**Training** (``training_forward``). Each training sequence is extended with mask chains as in
+PARD: the chain anchored at a loss row t is masks at positions t+1 .. t+b, each seeing the real
+tokens x_0..x_t and the earlier masks of its own chain (a 4-D attention mask; the real tokens see
+only real tokens, so their predictions are the ordinary next-token ones). Mask b of that chain
+predicts x_{t+b+1}, compared with the teacher's distribution at loss row t+b, i.e. with the
+target's distribution given the true x_{t+1..t+b}: what verification computes when d_1..d_b were
+accepted. PARD's conditional drop (COD) keeps, per sequence, ``max(cod_ratio^b, cod_min)`` times
+its loss rows as chain step b, chosen at random among the chains kept at step b-1 (a mask needs its
+chain's earlier masks): with K = 6 and 0.7 / 0.2 that is about 2.97 inputs per loss row instead of 6.
+
+The loss weights make the objective the expected accepted length of a round: step b of a chain only
+pays if steps 0..b-1 were accepted, so its loss is weighted by the product of the current
+acceptance ``sum_x min(p, q)`` of the chain's earlier steps (detached; step 0 is the ordinary
+prediction at the anchor), over the chance COD kept it (so that the sample is an unbiased estimate
+of the loss over every chain). The teacher's p there is renormalized over the head's columns: with
+a cut head that estimate is slightly optimistic, which only scales the weights. Held-out alpha
+reads the ordinary predictions (in eval mode no chains are built); ``position_acceptance`` measures
+every chain step.
+
+**Serving**: a plain model folder whose ``config.json`` also has ``pard_token`` and
+``mask_token_id`` (vLLM reads either), served by vLLM as ``draft_model`` with
+``parallel_drafting: true``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from draftsmith.distill import vocab_cut
+from draftsmith.distill.drafts import lm
+from draftsmith.distill.drafts.kind import Batch, DraftSettings, Predictions, Serving, check_options
+from draftsmith.specdec.cache import default_cache_kind
+from draftsmith.specdec.compiled import make_stream, resolve_compile
+from draftsmith.specdec.drafters import Proposal, draft_step, stack_proposal
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import load_model
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.stream import Verification
+from draftsmith.specdec.tree import ROOT, TreeShape, reindex, top_nodes
+from draftsmith.specdec.tree_drafting import Tree
+from draftsmith.specdec.verify import TargetVerifier
+
+# kind_options: the mask token (required), the chain length trained, PARD's conditional drop
+OPTIONS = {"mask_token_id": int, "k": int, "cod_ratio": float, "cod_min": float}
+DEFAULTS = {"k": 6, "cod_ratio": 0.7, "cod_min": 0.2}
+CONFIG_KEYS = ("pard_token", "mask_token_id")  # vLLM reads either; PARD's own code writes pard_token
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    """How a parallel draft trains: chains of ``k`` predictions (the ordinary one and k-1 masks), and
+    PARD's conditional drop keeping ``max(cod_ratio^b, cod_min)`` of the loss rows as chain step b."""
+
+    k: int = DEFAULTS["k"]
+    cod_ratio: float = DEFAULTS["cod_ratio"]
+    cod_min: float = DEFAULTS["cod_min"]
+
+
+class ParallelDraft(nn.Module):
+    """A causal LM (``lm``) that drafts K tokens per forward with ``mask_token_id`` (PARD).
+
+    Its forward is the LM's (training calls it through accelerate's wrapper); it decodes with its
+    own (verifier, drafter) pair (``specdec.drafters.PairedDraft``)."""
+
+    def __init__(self, model: PreTrainedModel, mask_token_id: int, chains: ChainSettings = ChainSettings()):
+        super().__init__()
+        vocab = model.config.vocab_size
+        if not 0 <= mask_token_id < vocab:
+            raise DraftsmithError(f"mask_token_id must be a vocabulary id (0..{vocab - 1}), got {mask_token_id}")
+        self.lm = model
+        self.chains = chains
+        for key in CONFIG_KEYS:  # saved in config.json, where vLLM looks for it
+            setattr(model.config, key, mask_token_id)
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.lm.config.pard_token
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    @property
+    def generation_config(self):
+        return self.lm.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm.dtype
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.lm.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm.get_output_embeddings()
+
+    def set_output_embeddings(self, head: nn.Module) -> None:
+        self.lm.set_output_embeddings(head)
+
+    def get_decoder(self) -> nn.Module:
+        return self.lm.get_decoder()
+
+    def forward(self, **inputs):
+        return self.lm(**inputs)
+
+    # specdec.drafters.PairedDraft
+    def decoding_pair(
+        self, target: PreTrainedModel, batch_size: int, capacity: int, options: DecodeOptions
+    ) -> tuple[TargetVerifier, ParallelDrafter]:
+        """The whole target on its cache (as for a standalone LM) and the parallel drafter on the
+        draft's; the draft's cache holds up to gamma - 1 masks more for the length of a forward."""
+        compiled = self.decodes_compiled(target, options)
+        cache_kind = options.cache_kind or default_cache_kind(target.device)
+        widths = options.verify_widths if options.tree is None else {}
+        verifier = TargetVerifier(target, batch_size, capacity, cache_kind, widths, compiled)
+        masks = options.gamma if options.tree is None else options.tree.depth
+        stream = make_stream(self.lm, batch_size, capacity + masks, cache_kind, role="draft", compiled=compiled)
+        return verifier, ParallelDrafter(stream, self.mask_token_id)
+
+    def decodes_compiled(self, target: PreTrainedModel, options: DecodeOptions) -> bool:
+        return options.tree is None and resolve_compile(options.compile, target)
+
+
+@dataclass
+class ParallelProposal(Proposal):
+    """A ``Proposal`` whose tokens all came from ``forwards`` draft forwards (1; 0 when none was drafted)."""
+
+    forwards: int = 1
+
+    @property
+    def steps(self) -> int:
+        return self.forwards
+
+
+class ParallelDrafter:
+    """A ``ParallelDraft`` as drafter (``specdec.drafters.Drafter``) on its own cache (``stream``).
+
+    Its cache holds the committed tokens it has read, never a mask: each round reads the unread
+    committed tokens and K-1 masks in one forward, then crops the masks again (``draft_rows``)."""
+
+    feature_layers: tuple[int, ...] = ()  # it reads nothing of the target's
+
+    def __init__(self, stream, mask_token_id: int):
+        self.stream = stream  # a specdec.stream.ModelStream (compiled.CompiledStream when compiled)
+        self.mask = mask_token_id
+
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+        self.stream.forward(tokens, valid, logits_to_keep=1)
+
+    def observe(self, verification: Verification, kept: torch.Tensor) -> None:
+        """Nothing: a standalone LM reads only the committed tokens."""
+
+    def draft_rows(self, sequences: list[list[int]], reading: torch.Tensor, width: int) -> torch.Tensor:
+        """ONE draft forward over each reading sequence's unread committed tokens and ``width - 1``
+        masks; logits (B, width, V): row 0 after x_n, row j after mask j. The masks leave the cache
+        before returning, so it holds exactly the committed tokens read so far. reading (B,) bool:
+        sequences that draft this round (the others feed padding and read nothing)."""
+        pending = [seq[length:] for seq, length in zip(sequences, self.stream.lengths, strict=True)]
+        unread = max(len(p) for p in pending)
+        tokens = torch.full((len(pending), unread + width - 1), self.mask, dtype=torch.long)
+        valid = torch.zeros(tokens.shape, dtype=torch.bool)
+        for row, (todo, drafts) in enumerate(zip(pending, reading.tolist(), strict=True)):
+            tokens[row, unread - len(todo) : unread] = torch.tensor(todo, dtype=torch.long)
+            valid[row, unread - len(todo) :] = drafts  # left-padded: every row's masks in the same columns
+        device = self.stream.device
+        logits = self.stream.forward(tokens.to(device), valid.to(device), logits_to_keep=width)  # (B, width, V)
+        self.stream.rollback(torch.tensor([len(seq) for seq in sequences], device=device))  # crop the masks
+        return logits
+
+    def propose(
+        self,
+        sequences: list[list[int]],
+        budget: torch.Tensor,
+        options: DecodeOptions,
+        generator: torch.Generator | None,
+    ) -> ParallelProposal:
+        """Up to ``budget[b]`` tokens per sequence from one draft forward: token j drawn from q_j
+        (its argmax when drafting greedily). With a confidence threshold a chain stops after its
+        first token whose ``max q_j`` is below it (dynamic gamma)."""
+        width = int(budget.max())
+        if width == 0:  # no sequence may draft (each can emit only the target's next token)
+            proposal = stack_proposal([], [], torch.zeros_like(budget))
+            return ParallelProposal(proposal.tokens, None, proposal.counts, forwards=0)
+        logits = self.draft_rows(sequences, budget > 0, width)
+        drafted, probs, sure = [], [], []
+        for j in range(width):
+            token, q, confident = draft_step(logits[:, j], options, generator)  # (B,), (B, V) or None
+            drafted.append(token)
+            if q is not None:
+                probs.append(q)
+            if confident is not None:
+                sure.append(confident)
+        counts = budget.clone()
+        if sure:  # each chain ends with its first unconfident token
+            leading = torch.stack(sure, 1).long().cumprod(1).sum(1)  # (B,) confident tokens before the first doubt
+            counts = torch.minimum(counts, leading + 1)
+        proposal = stack_proposal(drafted, probs, counts)
+        return ParallelProposal(proposal.tokens, proposal.probs, proposal.counts)
+
+    def rollback(self, keep: torch.Tensor) -> None:
+        """The cache holds only committed tokens, so nothing is dropped unless ``keep`` asks for it."""
+        self.stream.rollback(keep)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.stream.select(rows)
+
+    def propose_tree(self, sequence: list[int], shape: TreeShape, max_depth: int) -> Tree:
+        """A tree of at most ``max_depth`` levels from one forward with ``max_depth - 1`` masks."""
+        if max_depth < 1:
+            return Tree()
+        logits = self.draft_rows([sequence], torch.tensor([True]), max_depth)[0]  # (D, V)
+        tree = tree_from_levels(logits.float().log_softmax(-1), shape)
+        tree.steps = 1
+        return tree
+
+    def commit_tree(self, tree: Tree, path: list[int]) -> None:
+        """Nothing: no node was fed to the draft; the accepted path is read next round."""
+
+
+def tree_from_levels(logprobs: torch.Tensor, shape: TreeShape) -> Tree:
+    """The token tree whose level d holds the top ``shape.branching[d]`` tokens of row d of
+    ``logprobs`` (D, V) below every node of level d-1 (or, for a dynamic shape, below the
+    ``shape.expand`` likeliest of them, keeping the ``shape.budget`` likeliest nodes overall)."""
+    tree = Tree()
+    frontier = [ROOT]
+    for depth in range(logprobs.shape[0]):
+        top = logprobs[depth].topk(shape.branching[depth])
+        level = []
+        for parent in frontier:
+            above = 0.0 if parent == ROOT else tree.path_logprob[parent]
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                tree.tokens.append(token)
+                tree.parents.append(parent)
+                tree.path_logprob.append(above + logprob)
+                level.append(len(tree.tokens) - 1)
+        frontier = level
+        if shape.budget:  # EAGLE-2: grow only below the likeliest frontier nodes
+            frontier = sorted(sorted(level, key=lambda i: -tree.path_logprob[i])[: shape.expand])
+    if shape.budget:
+        keep = top_nodes(tree.parents, tree.path_logprob, shape.budget)
+        tree.parents = reindex(tree.parents, keep)
+        tree.tokens = [tree.tokens[i] for i in keep]
+        tree.path_logprob = [tree.path_logprob[i] for i in keep]
+    return tree
+
+
+# ---- Training: mask chains (PARD), conditional drop, expected-accepted-length weights ---------------
+
+
+def loss_runs(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B, T): how many consecutive loss rows start at each position (0 off the loss rows)."""
+    flipped = loss_mask.flip(1).long()
+    total = flipped.cumsum(1)
+    before_gap = torch.where(flipped == 0, total, 0).cummax(1).values
+    return (total - before_gap).flip(1)
+
+
+def cod_depths(
+    loss_mask: torch.Tensor, k: int, ratio: float, floor: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PARD's conditional drop: how deep a mask chain each loss row anchors, and the chance of each step.
+
+    Step b of the chain anchored at loss row t predicts x_{t+b+1} against the teacher at row t+b, so
+    it needs loss rows t..t+b. Per sequence, ``round(max(ratio^b, floor) * M)`` of its M loss rows
+    (at most all that qualify) are drawn among the chains kept at step b-1. Returns depth (B, T):
+    the deepest step kept (0: the ordinary prediction only, -1: not a loss row), and inclusion (B, k):
+    the probability that a chain that qualifies for step b is kept there (column 0: 1)."""
+    runs = loss_runs(loss_mask)
+    depth = torch.where(loss_mask, 0, -1)
+    inclusion = torch.ones(loss_mask.shape[0], k, dtype=torch.float64)
+    rows = loss_mask.sum(1).tolist()
+    for step in range(1, k):
+        share = max(ratio**step, floor)
+        qualified = (depth == step - 1) & (runs >= step + 1)  # (B, T)
+        for row in range(loss_mask.shape[0]):
+            candidates = qualified[row].nonzero()[:, 0]
+            keep = min(len(candidates), round(share * rows[row]))
+            if keep:
+                order = torch.randperm(len(candidates), generator=generator)[:keep].to(candidates.device)
+                depth[row, candidates[order]] = step
+            inclusion[row, step] = inclusion[row, step - 1] * (keep / len(candidates) if len(candidates) else 0.0)
+    return depth, inclusion
+
+
+@dataclass
+class Chains:
+    """A training batch (B, T) extended with mask chains to (B, W), and where each prediction is read.
+
+    input_ids, positions: (B, W); attention: (B, 1, W, W) bool, True where a query may look.
+    rows: (M + E,) flat indices into (B, W) of the predictions: the M loss rows first, in order, then
+    the E masks. anchor, step: (E,) the flat (B, T) index of each mask's chain anchor, and its step b."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: torch.Tensor
+    rows: torch.Tensor
+    anchor: torch.Tensor
+    step: torch.Tensor
+
+
+def chain_layout(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, depth: torch.Tensor, mask_id: int
+) -> Chains:
+    """Append, after each sequence's T inputs, one mask per kept chain step (``cod_depths``): mask b
+    of the chain anchored at t sits at position t+b and sees x_0..x_t and its chain's masks 1..b.
+    Real inputs see the real inputs before them, as in a plain causal forward; padding sees itself."""
+    batch, length = input_ids.shape
+    device = input_ids.device
+    steps = torch.arange(1, int(depth.max()) + 1, device=device)
+    present = depth[:, :, None] >= steps  # (B, T, S)
+    row, anchor, index = present.nonzero(as_tuple=True)  # row-major: grouped by sequence
+    step = index + 1
+    per_row = present.flatten(1).sum(1)  # (B,)
+    column = length + torch.arange(len(row), device=device) - (per_row.cumsum(0) - per_row)[row]
+    width = length + int(per_row.max()) if len(row) else length
+
+    ids = torch.full((batch, width), mask_id, dtype=torch.long, device=device)
+    ids[:, :length] = input_ids
+    positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+    positions[:, :length] = torch.arange(length, device=device)
+    positions[row, column] = anchor + step
+    anchors = torch.full((batch, width), -2, dtype=torch.long, device=device)  # -2: padding after the chains
+    anchors[:, :length] = torch.arange(length, device=device)
+    anchors[row, column] = anchor
+    steps_at = torch.full((batch, width), -1, dtype=torch.long, device=device)
+    steps_at[:, :length] = 0
+    steps_at[row, column] = step
+    real = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    real[:, :length] = attention_mask.bool()
+
+    keys = torch.arange(width, device=device)
+    sees_context = real[:, None, :] & (keys[None, None, :] <= anchors[:, :, None])  # (B, W, W)
+    same_chain = (anchors[:, None, :] == anchors[:, :, None]) & (steps_at[:, None, :] >= 1)
+    sees_chain = same_chain & (steps_at[:, None, :] <= steps_at[:, :, None])
+    attention = sees_context | sees_chain | torch.eye(width, dtype=torch.bool, device=device)
+    ordinary = (rows // length) * width + rows % length
+    return Chains(
+        input_ids=ids,
+        positions=positions,
+        attention=attention[:, None],
+        rows=torch.cat([ordinary, row * width + column]),
+        anchor=row * length + anchor,
+        step=step,
+    )
+
+
+@torch.no_grad()
+def acceptance(logits: torch.Tensor, teacher_log_probs: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``sum_x min(p, q)`` per row, p renormalized over the columns: (R, n) x2 -> (R,) float32, in
+    chunks of rows (no second (R, n) tensor beside the loss's)."""
+    parts = []
+    for start in range(0, len(logits), chunk):
+        q = logits[start : start + chunk].float().softmax(-1)
+        p = teacher_log_probs[start : start + chunk].float().softmax(-1)
+        parts.append(torch.minimum(p, q).sum(-1))
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+
+
+def chain_weights(
+    alpha: torch.Tensor, rows: torch.Tensor, chains: Chains, inclusion: torch.Tensor, cells: int, k: int
+) -> torch.Tensor:
+    """Each mask's loss weight (E,): the product of its chain's acceptance at steps 0..b-1 (``alpha``
+    (M + E,): the loss rows' ordinary predictions, then the masks) over the chance COD kept it.
+    rows (M,) flat (B, T) loss rows; cells = B * T; inclusion (B, k) from ``cod_depths``."""
+    table = torch.zeros(cells, k, dtype=torch.float64, device=alpha.device)  # [anchor, step] -> alpha
+    table[rows, 0] = alpha[: len(rows)].double()
+    table[chains.anchor, chains.step] = alpha[len(rows) :].double()
+    reached = table.cumprod(1)[chains.anchor, chains.step - 1]  # (E,) P(steps 0..b-1 all accepted)
+    length = cells // inclusion.shape[0]
+    kept = inclusion.to(alpha.device)[chains.anchor // length, chains.step]
+    return (reached / kept).to(alpha.dtype)
+
+
+def chain_predictions(
+    draft: nn.Module, model: nn.Module, batch: Batch, depth: torch.Tensor, mask_id: int
+) -> tuple[torch.Tensor, Chains, torch.Tensor]:
+    """One forward of ``draft`` over the batch extended with its mask chains (``depth``): logits
+    (M + E, n) at the loss rows and the masks, the layout, and teacher_rows (M + E,) into ``batch.rows``."""
+    chains = chain_layout(batch.input_ids, batch.attention_mask, batch.rows, depth, mask_id)
+    with vocab_cut.loss_rows_head(model, chains.rows, batch.head_ids):
+        logits = draft(
+            input_ids=chains.input_ids,
+            attention_mask=chains.attention,
+            position_ids=chains.positions,
+            use_cache=False,
+        ).logits
+    order = torch.arange(len(batch.rows), device=batch.rows.device)
+    where = torch.full((batch.input_ids.numel(),), -1, dtype=torch.long, device=batch.rows.device)
+    where[batch.rows] = order  # flat (B, T) -> its index among the loss rows
+    teacher_rows = torch.cat([order, where[chains.anchor + chains.step]])
+    return logits, chains, teacher_rows
+
+
+@torch.no_grad()
+def position_acceptance(draft: ParallelDraft, target: PreTrainedModel, batch: dict, k: int) -> torch.Tensor:
+    """Mean acceptance ``sum_x min(p, q)`` of every chain step 0..k-1 (k,) over a batch (input_ids,
+    attention_mask, loss_mask (B, T)) of the target's answers: step j of the chain at each loss row
+    (every chain that fits, none dropped) against the target's distribution given the true tokens."""
+    rows = vocab_cut.loss_rows(batch["loss_mask"])
+    teacher = vocab_cut.head_log_probs(target, vocab_cut.target_rows(target, batch, rows).hidden, None)
+    depth, _ = cod_depths(batch["loss_mask"], k, 1.0, 1.0)
+    plain = Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], rows)
+    logits, chains, teacher_rows = chain_predictions(draft, draft, plain, depth, draft.mask_token_id)
+    alpha = acceptance(logits, teacher.index_select(0, teacher_rows))
+    steps = torch.cat([torch.zeros_like(rows), chains.step])
+    return torch.stack([alpha[steps == j].mean() for j in range(k)])
+
+
+class ParallelKind:
+    """The parallel draft (``draft_kind: parallel``): a standalone LM as ``lm`` builds it (``draft_init``,
+    ``draft_layers``, ...) with ``kind_options``: ``mask_token_id`` (required: an id of the target's
+    vocabulary the data never uses, e.g. 16 ``<empty_output>`` for SmolLM2), ``k`` (the tokens a
+    forward proposes in training, default 6), ``cod_ratio`` and ``cod_min`` (PARD's conditional
+    drop: 0.7 and 0.2)."""
+
+    name = "parallel"
+    standalone = True
+    cuts_head = False  # it trains with a cut head (train_draft_vocab); it decodes with its full head
+
+    def check(self, settings: DraftSettings) -> None:
+        lm.KIND.check(dataclasses.replace(settings, options={}))
+        check_options(self.name, settings.options, OPTIONS)
+        options = self.options(settings)
+        if "mask_token_id" not in settings.options:
+            raise DraftsmithError(
+                "parallel drafts need kind_options.mask_token_id: an id of the target's vocabulary that the data "
+                "never uses (e.g. 16, <empty_output>, for SmolLM2)"
+            )
+        if options["k"] < 2:
+            raise DraftsmithError(f"kind_options: k must be >= 2 (tokens proposed per forward), got {options['k']}")
+        if not 0 < options["cod_ratio"] <= 1 or not 0 <= options["cod_min"] <= 1:
+            raise DraftsmithError("kind_options: cod_ratio must be in (0, 1] and cod_min in [0, 1]")
+        if settings.lora_r:
+            raise DraftsmithError("parallel drafts train the whole draft: leave out lora_r")
+
+    def options(self, settings: DraftSettings) -> dict:
+        return DEFAULTS | settings.options
+
+    def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:
+        return resolved
+
+    def build(
+        self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
+    ) -> ParallelDraft:
+        model = lm.KIND.build(dataclasses.replace(settings, options={}), target, tokenizer, device)
+        if model.config.vocab_size != target.config.vocab_size:
+            raise DraftsmithError(
+                f"a parallel draft needs the target's vocabulary size ({target.config.vocab_size}, what vLLM "
+                f"checks), got {model.config.vocab_size}"
+            )
+        mask = self.options(settings)["mask_token_id"]
+        specials = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+        if mask in specials:
+            raise DraftsmithError(f"mask_token_id {mask} is the tokenizer's bos, eos or pad token; pick an unused id")
+        chains = ChainSettings(**{key: self.options(settings)[key] for key in DEFAULTS})
+        return ParallelDraft(model, mask, chains).train()
+
+    def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
+        return ()
+
+    def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
+        """The ordinary predictions at the loss rows (M, n), then, in training, every kept chain step
+        with its teacher row and its expected-accepted-length weight (module docstring)."""
+        if not model.training:  # held-out alpha reads the ordinary predictions only
+            with vocab_cut.loss_rows_head(model, batch.rows, batch.head_ids):
+                logits = draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+            return Predictions(logits)  # (M, n)
+        if batch.teacher_log_probs is None:
+            raise DraftsmithError("parallel drafts weight their chains by the teacher's log-probs at the loss rows")
+        settings = model.chains
+        depth, inclusion = cod_depths(batch.loss_mask, settings.k, settings.cod_ratio, settings.cod_min)
+        logits, chains, teacher_rows = chain_predictions(draft, model, batch, depth, model.mask_token_id)  # (M + E, n)
+        alpha = acceptance(logits.detach(), batch.teacher_log_probs.index_select(0, teacher_rows))
+        weights = chain_weights(alpha, batch.rows, chains, inclusion, batch.input_ids.numel(), settings.k)
+        return Predictions(logits, teacher_rows, torch.cat([torch.ones_like(batch.rows, dtype=weights.dtype), weights]))
+
+    def save(self, draft: torch.nn.Module, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
+        if state is not None:  # a sharded model's full state, named from the wrapper
+            state = {key.removeprefix("lm."): value for key, value in state.items()}
+        lm.KIND.save(draft.lm, state, tokenizer, folder, target_name)
+
+    def files(self) -> tuple[str, ...]:
+        return ("config.json", "model.safetensors")
+
+    def recognises(self, folder: Path) -> bool:
+        config = folder / "config.json"
+        return config.is_file() and "pard_token" in json.loads(config.read_text())
+
+    def load(self, folder: Path, target: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> ParallelDraft:
+        model = load_model(str(folder), device, dtype)
+        return ParallelDraft(model, model.config.pard_token).eval()
+
+    def from_spec(self, spec: str, target: PreTrainedModel) -> ParallelDraft | None:
+        """``parallel:LAYERS:MASK``: the target truncated to LAYERS, untrained, drafting with mask id MASK."""
+        if not spec.startswith("parallel:"):
+            return None
+        layers, _, mask = spec.removeprefix("parallel:").rpartition(":")
+        if not layers or not mask.isdigit():
+            raise DraftsmithError(f"a parallel draft is named parallel:LAYERS:MASK_ID (e.g. parallel:2:16), got {spec}")
+        return ParallelDraft(lm.truncate_target(target, layers), int(mask)).eval()
+
+    def architecture(self, folder: Path) -> tuple[str, dict]:
+        config = json.loads((folder / "config.json").read_text())
+        return f"parallel-{config.get('model_type', 'model')}", config
+
+    def owns(self, draft: torch.nn.Module) -> bool:
+        return isinstance(draft, ParallelDraft)
+
+    def check_export(self, folder: Path) -> None:
+        """Any saved parallel draft is a plain model folder."""
+
+    def export(self, draft: torch.nn.Module, tokenizer, folder: Path, serving: Serving) -> None:
+        """A model folder whose config.json names the mask (``pard_token``, ``mask_token_id``)."""
+        lm.KIND.export(draft.lm, tokenizer, folder, serving)
+
+    def engine_config(self, folder: Path) -> dict:
+        return {"method": "draft_model", "model": str(folder), "parallel_drafting": True}
+
+    def decoding_report(self, target: PreTrainedModel, draft: torch.nn.Module, gamma: int, kv_reuse: bool) -> dict:
+        return {"mask_token_id": draft.mask_token_id}
+
+
+KIND = ParallelKind()
