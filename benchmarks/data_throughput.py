@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from common import default_target, median, save
 
-from draftsmith.specdec.continuous import continuous_generate
+from draftsmith.specdec.continuous import Batching, continuous_generate
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 
 BUILTIN = Path(__file__).parents[1] / "distill" / "data" / "prompts.jsonl"
@@ -74,7 +74,7 @@ def hf_batched(model, prompts: list[list[int]], batch_size: int, max_new_tokens:
 
 def ours(model, prompts, batch_size, max_new_tokens, eos):
     start = time.perf_counter()
-    answers, _ = continuous_generate(model, prompts, max_new_tokens, eos_ids=eos, batch_size=batch_size)
+    answers, _ = continuous_generate(model, prompts, max_new_tokens, Batching(eos_ids=eos, batch_size=batch_size))
     return answers, time.perf_counter() - start
 
 

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 from transformers import PreTrainedModel
 
-from draftsmith.specdec.continuous import Progress, stream_generate
+from draftsmith.specdec.continuous import Batching, Progress, stream_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.vllm_client import complete, engine_version
@@ -56,16 +56,8 @@ class BundledEngine:
         seeds: Sequence[int] | None = None,
         on_progress: Callable[[Progress], None] | None = None,
     ) -> Iterator[tuple[int, list[int]]]:
-        return stream_generate(
-            self.model,
-            prompts,
-            max_new_tokens,
-            sampling=sampling,
-            eos_ids=stop_ids,
-            batch_size=self.batch_size,
-            seeds=seeds,
-            on_progress=on_progress,
-        )
+        batching = Batching(sampling, eos_ids=stop_ids, batch_size=self.batch_size)
+        return stream_generate(self.model, prompts, max_new_tokens, batching, seeds=seeds, on_progress=on_progress)
 
 
 @dataclass

@@ -56,6 +56,21 @@ class Progress:
     tokens_bound: int  # tokens so far + the most the unfinished prompts can still add (an ETA's total)
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How a continuous-batching run decodes, whatever its prompts.
+
+    sampling: how each token is chosen (greedy by default). eos_ids: an answer ends after its first
+    one of these (kept). batch_size: rows decoded together. refill_at: how many rows must be free
+    before queued prompts are prefilled into them (None: an eighth of the batch).
+    """
+
+    sampling: SamplingParams = SamplingParams()
+    eos_ids: set[int] | frozenset[int] = frozenset()
+    batch_size: int = 64
+    refill_at: int | None = None
+
+
 @dataclass
 class ContinuousStats:
     """Counters and timings of one ``continuous_generate`` run."""
@@ -262,12 +277,12 @@ def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: in
 class _Run:
     """The state of one continuous-batching run: the model, its cache, the rows and the counters."""
 
-    def __init__(self, model, prompts, max_new_tokens, sampling, eos_ids, batch_size, generators, on_progress):
-        self.model, self.prompts, self.sampling = model, prompts, sampling
-        self.max_new_tokens, self.eos_ids = max_new_tokens, frozenset(eos_ids)
+    def __init__(self, model, prompts, max_new_tokens, batching: Batching, generators, on_progress):
+        self.model, self.prompts, self.sampling = model, prompts, batching.sampling
+        self.max_new_tokens, self.eos_ids = max_new_tokens, frozenset(batching.eos_ids)
         self.generators, self.on_progress = generators, on_progress
         self.device = model.device
-        batch = min(batch_size, len(prompts))
+        batch = min(batching.batch_size, len(prompts))
         capacity = max(len(p) for p in prompts) + max_new_tokens + 1
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.cache = RowCache(layers, batch, capacity, self.device, model.dtype)
@@ -385,10 +400,8 @@ def stream_generate(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    eos_ids: set[int] | frozenset[int] = frozenset(),
-    batch_size: int = 64,
-    refill_at: int | None = None,
+    batching: Batching = Batching(),
+    *,
     seeds: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     on_progress: Callable[[Progress], None] | None = None,
@@ -397,23 +410,21 @@ def stream_generate(
     """Answer ``prompts`` (token id lists) with continuous batching; yield ``(prompt index, answer ids)``
     as each answer completes (in completion order, not input order).
 
-    An answer ends after its first EOS id (kept) or after ``max_new_tokens`` tokens. batch_size:
-    rows decoded together. refill_at: how many rows must be free before queued prompts are
-    prefilled into them (default: an eighth of the batch). seeds: one per prompt; prompt i then
-    samples from its own ``torch.Generator`` seeded ``seeds[i]``, otherwise all draw from
-    ``generator``. on_progress: called with a ``Progress`` after every forward. stats: filled in
-    as the run goes, when given.
+    An answer ends after its first EOS id (kept) or after ``max_new_tokens`` tokens. batching: the
+    sampling, stop ids, rows and refill size. seeds: one per prompt; prompt i then samples from its
+    own ``torch.Generator`` seeded ``seeds[i]``, otherwise all draw from ``generator``. on_progress:
+    called with a ``Progress`` after every forward. stats: filled in as the run goes, when given.
     """
-    _check(prompts, max_new_tokens, batch_size, seeds)
+    _check(prompts, max_new_tokens, batching.batch_size, seeds)
     if seeds is None:
         generators = [generator] * len(prompts)
     else:
         generators = [torch.Generator(device=model.device).manual_seed(int(s)) for s in seeds]
-    run = _Run(model, prompts, max_new_tokens, sampling, eos_ids, batch_size, generators, on_progress)
+    run = _Run(model, prompts, max_new_tokens, batching, generators, on_progress)
     if stats is not None:
         run.stats = stats
         stats.prompts, stats.batch_size = len(prompts), len(run.rows.prompt)
-    refill_at = refill_at or max(1, len(run.rows.prompt) // 8)
+    refill_at = batching.refill_at or max(1, len(run.rows.prompt) // 8)
     started = time.perf_counter()
     while True:
         free, busy = run.rows.free(), run.rows.busy()
@@ -434,10 +445,8 @@ def continuous_generate(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    eos_ids: set[int] | frozenset[int] = frozenset(),
-    batch_size: int = 64,
-    refill_at: int | None = None,
+    batching: Batching = Batching(),
+    *,
     seeds: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     on_progress: Callable[[Progress], None] | None = None,
@@ -445,18 +454,9 @@ def continuous_generate(
     """``stream_generate`` collected: the answers in input order, and the run's counters."""
     stats = ContinuousStats()
     answers: list[list[int]] = [[] for _ in prompts]
-    for index, answer in stream_generate(
-        model,
-        prompts,
-        max_new_tokens,
-        sampling=sampling,
-        eos_ids=eos_ids,
-        batch_size=batch_size,
-        refill_at=refill_at,
-        seeds=seeds,
-        generator=generator,
-        on_progress=on_progress,
-        stats=stats,
-    ):
+    stream = stream_generate(
+        model, prompts, max_new_tokens, batching, seeds=seeds, generator=generator, on_progress=on_progress, stats=stats
+    )
+    for index, answer in stream:
         answers[index] = answer
     return answers, stats

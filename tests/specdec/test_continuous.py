@@ -8,7 +8,7 @@ tokens, computed here in float64 (temperature, top-k, top-p written out in the t
 import pytest
 import torch
 
-from draftsmith.specdec.continuous import Progress, continuous_generate, stream_generate
+from draftsmith.specdec.continuous import Batching, Progress, continuous_generate, stream_generate
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.sampling import SamplingParams
 from tests.helpers import chi_square_z, tiny_llama
@@ -57,7 +57,7 @@ def alone(model, prompts, n, **kw):
 @pytest.mark.parametrize("batch_size", [1, 3, 8, 64])
 def test_greedy_rows_equal_each_prompt_decoded_alone(target, prompts, batch_size):
     expected = alone(target, prompts, 20)
-    out, stats = continuous_generate(target, prompts, 20, batch_size=batch_size)
+    out, stats = continuous_generate(target, prompts, 20, Batching(batch_size=batch_size))
     assert out == expected
     assert stats.new_tokens == 23 * 20
     assert stats.batch_size == min(batch_size, 23)
@@ -71,7 +71,7 @@ def test_eos_midway_frees_rows_that_new_prompts_take(target, prompts, refill_at)
     expected = alone(target, prompts, 24, eos_ids=eos)
     lengths = [len(answer) for answer in expected]
     assert len(set(lengths)) > 3 and min(lengths) < 24, "the fixture should end answers at many points"
-    out, stats = continuous_generate(target, prompts, 24, eos_ids=eos, batch_size=5, refill_at=refill_at)
+    out, stats = continuous_generate(target, prompts, 24, Batching(eos_ids=eos, batch_size=5, refill_at=refill_at))
     assert out == expected
     for answer in out:
         assert 7 not in answer[:-1]
@@ -85,7 +85,7 @@ def test_prompts_with_a_shared_prefix_take_it_from_one_computation(target, promp
     system = [0, 9, 4, 17, 22, 5, 13]  # a chat template's system prompt, say
     chats = [system + p for p in prompts]
     expected = alone(target, chats, 16, eos_ids={7})
-    out, stats = continuous_generate(target, chats, 16, eos_ids={7}, batch_size=batch_size, refill_at=2)
+    out, stats = continuous_generate(target, chats, 16, Batching(eos_ids={7}, batch_size=batch_size, refill_at=2))
     assert out == expected
     assert 1 <= stats.prefix_forwards < stats.prefills  # computed once, then reused by later groups
 
@@ -93,15 +93,15 @@ def test_prompts_with_a_shared_prefix_take_it_from_one_computation(target, promp
 def test_identical_prompts_share_all_but_their_last_token(target):
     opening = [0, 3, 8, 8, 21, 30, 2]  # prompts written from one opening
     params = SamplingParams(temperature=1.0)
-    out, stats = continuous_generate(target, [opening] * 12, 10, params, batch_size=4, seeds=list(range(12)))
+    out, stats = continuous_generate(target, [opening] * 12, 10, Batching(params, batch_size=4), seeds=list(range(12)))
     assert stats.prefix_forwards == 1
     for seed, answer in enumerate(out):
-        alone_out, _ = continuous_generate(target, [opening], 10, params, batch_size=1, seeds=[seed])
+        alone_out, _ = continuous_generate(target, [opening], 10, Batching(params, batch_size=1), seeds=[seed])
         assert answer == alone_out[0]
 
 
 def test_one_new_token_finishes_every_row_at_its_prefill(target, prompts):
-    out, stats = continuous_generate(target, prompts, 1, batch_size=4)
+    out, stats = continuous_generate(target, prompts, 1, Batching(batch_size=4))
     assert out == alone(target, prompts, 1)
     assert stats.steps == 0
     assert stats.prefills == 6  # 23 prompts, 4 rows
@@ -110,7 +110,7 @@ def test_one_new_token_finishes_every_row_at_its_prefill(target, prompts):
 def test_stream_yields_answers_as_they_complete_with_their_prompt_index(target, prompts):
     eos = {7}
     expected = alone(target, prompts, 24, eos_ids=eos)
-    seen = list(stream_generate(target, prompts, 24, eos_ids=eos, batch_size=4))
+    seen = list(stream_generate(target, prompts, 24, Batching(eos_ids=eos, batch_size=4)))
     assert sorted(index for index, _ in seen) == list(range(23))
     for index, answer in seen:
         assert answer == expected[index]
@@ -118,7 +118,9 @@ def test_stream_yields_answers_as_they_complete_with_their_prompt_index(target, 
 
 def test_progress_counts_tokens_and_rows_and_bounds_what_is_left(target, prompts):
     reports: list[Progress] = []
-    out, stats = continuous_generate(target, prompts, 24, eos_ids={7}, batch_size=5, on_progress=reports.append)
+    out, stats = continuous_generate(
+        target, prompts, 24, Batching(eos_ids={7}, batch_size=5), on_progress=reports.append
+    )
     total = sum(len(a) for a in out)
     assert [r.tokens for r in reports] == sorted(r.tokens for r in reports)
     assert all(r.tokens <= total <= r.tokens_bound <= 23 * 24 for r in reports)
@@ -168,7 +170,7 @@ def test_sampled_rows_follow_the_target_distribution(per_prompt_seeds, short):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     seeds = list(range(2 * n)) if per_prompt_seeds else None
     generator = torch.Generator().manual_seed(0)
-    out, _ = continuous_generate(model, prompts, 2, params, batch_size=48, seeds=seeds, generator=generator)
+    out, _ = continuous_generate(model, prompts, 2, Batching(params, batch_size=48), seeds=seeds, generator=generator)
     pairs = torch.tensor(out)  # (2n, 2)
     for prompt, samples in ((long, pairs[0::2]), (short, pairs[1::2])):
         joint = exact_pair(model, prompt, temperature, top_k, top_p)
@@ -180,10 +182,10 @@ def test_sampled_rows_follow_the_target_distribution(per_prompt_seeds, short):
 def test_seeded_answers_do_not_depend_on_the_batch(target, prompts):
     params = SamplingParams(temperature=1.0)
     seeds = [100 + i for i in range(len(prompts))]
-    small, _ = continuous_generate(target, prompts, 12, params, batch_size=2, seeds=seeds)
-    large, _ = continuous_generate(target, prompts, 12, params, batch_size=16, seeds=seeds)
+    small, _ = continuous_generate(target, prompts, 12, Batching(params, batch_size=2), seeds=seeds)
+    large, _ = continuous_generate(target, prompts, 12, Batching(params, batch_size=16), seeds=seeds)
     assert small == large
-    other, _ = continuous_generate(target, prompts, 12, params, batch_size=16, seeds=[s + 1 for s in seeds])
+    other, _ = continuous_generate(target, prompts, 12, Batching(params, batch_size=16), seeds=[s + 1 for s in seeds])
     assert other != small
 
 
