@@ -62,11 +62,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from draftsmith.distill import vocab_cut
 from draftsmith.distill.drafts import lm
 from draftsmith.distill.drafts.kind import Batch, DraftSettings, Predictions, Serving, check_options
+from draftsmith.distill.losses import row_acceptance
+from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.compiled import make_stream, resolve_compile
 from draftsmith.specdec.drafters import Proposal, draft_step, stack_proposal
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.loading import load_model
+from draftsmith.specdec.loading import eos_token_ids, load_model, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.stream import Verification
 from draftsmith.specdec.tree import ROOT, TreeShape, reindex, top_nodes
@@ -93,15 +95,23 @@ class ParallelDraft(nn.Module):
     """A causal LM (``lm``) that drafts K tokens per forward with ``mask_token_id`` (PARD).
 
     Its forward is the LM's (training calls it through accelerate's wrapper); it decodes with its
-    own (verifier, drafter) pair (``specdec.drafters.PairedDraft``)."""
+    own (verifier, drafter) pair (``specdec.drafters.PairedDraft``), with its head cut to
+    ``head_ids`` when given (``specdec.draft_vocab``: the cut it trained with)."""
 
-    def __init__(self, model: PreTrainedModel, mask_token_id: int, chains: ChainSettings = ChainSettings()):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        mask_token_id: int,
+        chains: ChainSettings = ChainSettings(),
+        head_ids: list[int] | None = None,
+    ):
         super().__init__()
         vocab = model.config.vocab_size
         if not 0 <= mask_token_id < vocab:
             raise DraftsmithError(f"mask_token_id must be a vocabulary id (0..{vocab - 1}), got {mask_token_id}")
         self.lm = model
         self.chains = chains
+        self.head_ids = head_ids
         for key in CONFIG_KEYS:  # saved in config.json, where vLLM looks for it
             setattr(model.config, key, mask_token_id)
 
@@ -151,8 +161,13 @@ class ParallelDraft(nn.Module):
         widths = options.verify_widths if options.tree is None else {}
         verifier = TargetVerifier(target, batch_size, capacity, cache_kind, widths, compiled)
         masks = options.gamma if options.tree is None else options.tree.depth
-        stream = make_stream(self.lm, batch_size, capacity + masks, cache_kind, role="draft", compiled=compiled)
+        model = self.decoding_model()
+        stream = make_stream(model, batch_size, capacity + masks, cache_kind, role="draft", compiled=compiled)
         return verifier, ParallelDrafter(stream, self.mask_token_id)
+
+    def decoding_model(self) -> nn.Module:
+        """The causal LM the drafter runs: the LM, or the LM with its head cut to ``head_ids``."""
+        return self.lm if self.head_ids is None else draft_vocab.SubsetHeadDraft(self.lm, self.head_ids)
 
     def decodes_compiled(self, target: PreTrainedModel, options: DecodeOptions) -> bool:
         return options.tree is None and resolve_compile(options.compile, target)
@@ -432,13 +447,16 @@ def chain_predictions(
 def position_acceptance(draft: ParallelDraft, target: PreTrainedModel, batch: dict, k: int) -> torch.Tensor:
     """Mean acceptance ``sum_x min(p, q)`` of every chain step 0..k-1 (k,) over a batch (input_ids,
     attention_mask, loss_mask (B, T)) of the target's answers: step j of the chain at each loss row
-    (every chain that fits, none dropped) against the target's distribution given the true tokens."""
+    (every chain that fits, none dropped) against the target's distribution given the true tokens,
+    with the draft's head as it decodes (cut to ``draft.head_ids`` when it is)."""
     rows = vocab_cut.loss_rows(batch["loss_mask"])
-    teacher = vocab_cut.head_log_probs(target, vocab_cut.target_rows(target, batch, rows).hidden, None)
+    ids = None if draft.head_ids is None else torch.tensor(draft.head_ids, device=rows.device)
+    hidden = vocab_cut.target_rows(target, batch, rows).hidden
+    teacher = vocab_cut.head_log_probs(target, hidden, ids)  # (M, N or V), normalized over all V
     depth, _ = cod_depths(batch["loss_mask"], k, 1.0, 1.0)
-    plain = Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], rows)
+    plain = Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], rows, ids)
     logits, chains, teacher_rows = chain_predictions(draft, draft, plain, depth, draft.mask_token_id)
-    alpha = acceptance(logits, teacher.index_select(0, teacher_rows))
+    alpha = row_acceptance(logits, teacher.index_select(0, teacher_rows))  # exact: p outside the cut counts
     steps = torch.cat([torch.zeros_like(rows), chains.step])
     return torch.stack([alpha[steps == j].mean() for j in range(k)])
 
@@ -452,7 +470,9 @@ class ParallelKind:
 
     name = "parallel"
     standalone = True
-    cuts_head = False  # it trains with a cut head (train_draft_vocab); it decodes with its full head
+    # It trains with a cut head (train_draft_vocab) and decodes with the cut its folder carries
+    # (``load``); a wrapper cutting it again would hide its drafter, so nothing else cuts it.
+    cuts_head = False
 
     def check(self, settings: DraftSettings) -> None:
         lm.KIND.check(dataclasses.replace(settings, options={}))
@@ -524,8 +544,14 @@ class ParallelKind:
         return config.is_file() and "pard_token" in json.loads(config.read_text())
 
     def load(self, folder: Path, target: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> ParallelDraft:
+        """The draft in ``folder``, decoding with the head cut its ``draft_vocab.json`` holds (a
+        checkpoint's trained cut, the cut a published draft was measured with), plus the EOS ids."""
         model = load_model(str(folder), device, dtype)
-        return ParallelDraft(model, model.config.pard_token).eval()
+        head_ids = None
+        if (folder / draft_vocab.FILE).is_file():
+            eos = eos_token_ids(target, load_tokenizer(str(folder)))
+            head_ids = draft_vocab.kept_ids(draft_vocab.load_ranking(folder), eos)
+        return ParallelDraft(model, model.config.pard_token, head_ids=head_ids).eval()
 
     def from_spec(self, spec: str, target: PreTrainedModel) -> ParallelDraft | None:
         """``parallel:LAYERS:MASK``: the target truncated to LAYERS, untrained, drafting with mask id MASK."""

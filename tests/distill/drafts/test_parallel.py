@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from draftsmith.cli import main
+from draftsmith.distill import data as ddata
 from draftsmith.distill.drafts import kind_of_folder, load_draft, parallel
 from draftsmith.distill.drafts.kind import Batch, DraftSettings, Serving
+from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.distill.drafts.parallel import (
     KIND,
     ParallelDraft,
@@ -28,13 +30,19 @@ from draftsmith.distill.drafts.parallel import (
     loss_runs,
     position_acceptance,
 )
-from draftsmith.specdec import verify
+from draftsmith.specdec import draft_vocab, verify
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.prompts import encode_chat, read_prompts
 from draftsmith.specdec.sampling import SamplingParams, accept_sampled
 from draftsmith.specdec.stream import left_pad
 from draftsmith.specdec.tree import TreeShape
+from draftsmith.specdec.vllm_client import complete_batch, read_spec_counters
+from draftsmith.specdec.vllm_server import ServeOptions, serve
+from draftsmith.train.config import load_run_config
+from draftsmith.train.models import load_target
 from tests.helpers import (
     assert_fits,
     fit_scores,
@@ -417,6 +425,21 @@ def test_published_folder_is_a_plain_model_naming_its_mask_and_reloads_as_a_para
     assert KIND.architecture(tmp_path)[0] == "parallel-llama"
 
 
+def test_a_folder_with_a_head_cut_decodes_with_it_exactly(target, draft, tmp_path):
+    KIND.export(draft, tiny_tokenizer(V), tmp_path, Serving(gamma=4))
+    kept = [4, 9, 12, 3, 6, 2, 10, 7]
+    draft_vocab.save_ranking(tmp_path, kept)
+    loaded = load_draft(str(tmp_path), target, torch.device("cpu"), torch.float32)
+    assert loaded.head_ids == [*kept, 1]  # and the target's EOS
+    _, drafter = loaded.decoding_pair(target, 1, 64, DecodeOptions(gamma=4))
+    with torch.inference_mode():
+        drafter.prefill(torch.tensor([PROMPTS[2]]), torch.ones(1, len(PROMPTS[2]), dtype=torch.bool))
+        proposal = drafter.propose([PROMPTS[2] + [5]], torch.tensor([4]), DecodeOptions(gamma=4), None)
+    assert set(proposal.tokens[0].tolist()) <= set(loaded.head_ids)
+    out, stats = speculative_generate(target, loaded, PROMPTS, 20, options=DecodeOptions(gamma=4))
+    assert out == greedy(target, PROMPTS, 20) and stats.accepted > 0
+
+
 def test_settings_are_checked_by_name():
     with pytest.raises(DraftsmithError, match="need kind_options.mask_token_id"):
         KIND.check(DraftSettings(kind="parallel"))
@@ -437,9 +460,6 @@ def test_settings_are_checked_by_name():
 def heldout_answers(target, tokenizer, count: int = 16) -> dict:
     """The target's greedy answers (32 tokens) to built-in evaluation prompts, as a right-padded batch
     whose loss rows predict the answer tokens."""
-    from draftsmith.distill import data as ddata
-    from draftsmith.specdec.prompts import encode_chat, read_prompts
-
     prompts = [encode_chat(tokenizer, p.turns[0]) for p in read_prompts(ddata.EVAL_PROMPTS)[:count]]
     answers = target_generate(target, prompts, 32, eos_ids={tokenizer.eos_token_id})[0]
     sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
@@ -455,21 +475,21 @@ def heldout_answers(target, tokenizer, count: int = 16) -> dict:
 def test_distill_raises_the_acceptance_of_positions_2_to_k_and_the_draft_ranks_and_publishes(tmp_path):
     run = tmp_path / "run"
     kind = ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}"]  # <unk>: the character data has none
-    common = ["--config", "tiny", f"output_dir={run}", *kind, "max_steps=10", "save_steps=10", "log_steps=10"]
+    steps = ["max_steps=10", "save_steps=10", "log_steps=10", "train_draft_vocab=48"]  # a cut head too
+    common = ["--config", "tiny", f"output_dir={run}", *kind, *steps]
     assert main(["distill", *common]) == 0
     checkpoint = run / "checkpoint-10"
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["pard_token"] == config["mask_token_id"] == 2 and kind_of_folder(checkpoint) is KIND
-
-    from draftsmith.train.config import load_run_config
-    from draftsmith.train.models import load_target
+    assert config["vocab_size"] == 98  # the whole head is saved; the folder carries the cut it trained with
 
     target, tokenizer = load_target(load_run_config(run), torch.device("cpu"))
     batch = heldout_answers(target, tokenizer)
-    before, after = (
-        position_acceptance(load_draft(str(run / name), target, torch.device("cpu"), torch.float32), target, batch, 4)
-        for name in ("initial", "checkpoint-10")
-    )
+    drafts = [
+        load_draft(str(run / name), target, torch.device("cpu"), torch.float32) for name in ("initial", "checkpoint-10")
+    ]
+    assert all(len(d.head_ids) == 48 + 1 for d in drafts)  # the 48 tokens and the EOS: as it trained
+    before, after = (position_acceptance(draft, target, batch, 4) for draft in drafts)
     # Measured: [0.62, 0.41, 0.41, 0.41] -> [0.75, 0.61, 0.61, 0.61] (positions 1..4; position j is chain step j-1).
     assert bool((after[1:] > before[1:] + 0.1).all()), (before, after)
     assert after[0] > before[0]
@@ -480,3 +500,58 @@ def test_distill_raises_the_acceptance_of_positions_2_to_k_and_the_draft_ranks_a
     out = tmp_path / "published"
     assert main(["publish", str(run), "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["pard_token"] == 2 and kind_of_folder(out) is KIND
+
+
+# ---- the default target, and a real vLLM server ------------------------------------------------------
+
+QUESTIONS = ["Why is the sky blue?", "Write a haiku about autumn.", "What is 12 times 7?"]
+SMOL_MASK = 16  # <empty_output>: a special token SmolLM2's answers never contain
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """The default target in float32, its first two layers as an (untrained) parallel draft published
+    into a folder, the questions as token ids and the target's greedy answers (24 tokens)."""
+
+    target = load_model(DEFAULT_TARGET, torch.device("cpu"), torch.float32)
+    tokenizer = load_tokenizer(DEFAULT_TARGET)
+    draft = ParallelDraft(truncate_target(target, 2), SMOL_MASK).eval()
+    folder = tmp_path_factory.mktemp("parallel-draft")
+    KIND.export(draft, tokenizer, folder, Serving(gamma=3))
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    eos = eos_token_ids(target, tokenizer)
+    reference = [target_generate(target, [p], 24, eos_ids=eos)[0][0] for p in prompts]
+    return target, draft, folder, prompts, eos, reference
+
+
+@pytest.mark.slow
+def test_greedy_identical_on_the_default_target_in_chains_batches_and_trees(smol):
+    target, draft, _, prompts, eos, reference = smol
+    for prompt, want in zip(prompts, reference, strict=True):
+        out, stats = speculative_generate(target, draft, [prompt], 24, options=DecodeOptions(gamma=3), eos_ids=eos)
+        assert out == [want] and stats.draft_forwards <= stats.rounds + 1
+    batched, stats = speculative_generate(target, draft, prompts, 24, options=DecodeOptions(gamma=4), eos_ids=eos)
+    assert batched == reference and stats.accepted > 0
+    tree = DecodeOptions(tree=TreeShape.parse("3,2,1"))
+    assert speculative_generate(target, draft, prompts[:1], 24, options=tree, eos_ids=eos)[0] == reference[:1]
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_published_draft_with_parallel_drafting(smol, engine, tmp_path):
+    target, draft, folder, prompts, eos, reference = smol
+    speculative = KIND.engine_config(folder)
+    assert speculative["parallel_drafting"] is True
+    options = ServeOptions(dtype="float32", eager=True, threads=1)
+    with serve(
+        DEFAULT_TARGET, options, speculative=speculative, gamma=3, engine=engine, log_path=tmp_path / "log"
+    ) as server:
+        before = read_spec_counters(server)
+        answers, _ = complete_batch(server, prompts, 24, batch_size=1)
+        grown = read_spec_counters(server) - before
+    assert [a.token_ids for a in answers] == reference  # greedy output is the target's
+    assert grown.drafts > 0 and grown.draft_tokens == 3 * grown.drafts and len(grown.accepted_per_position) == 3
+    assert grown.accepted > 0  # the counters moved: the first position's guesses are often right
+    # vLLM's rounds are the bundled decoder's: the same proposals from the same one forward per round.
+    bundled = [speculative_generate(target, draft, [p], 24, DecodeOptions(gamma=3), eos_ids=eos)[1] for p in prompts]
+    assert grown.drafts == sum(stats.rounds for stats in bundled)
+    assert grown.accepted == sum(stats.accepted for stats in bundled)

@@ -1,0 +1,264 @@
+"""Parallel drafting (PARD, An et al. 2025) against the ordinary draft: the same draft trained the same
+wall-clock minutes both ways, then measured side by side on the default target.
+
+The parallel config (``configs/smollm2-135m-parallel.yaml``) is trained as it is and, for the
+ordinary draft, with ``draft_kind=lm`` (the same layers, head cut, data, loss and learning rate);
+each run trains until ``--minutes`` have passed, then saves its draft. Then, for each draft:
+
+- per-position acceptance: held-out, teacher-forced on the target's greedy answers to the evaluation
+  prompts (``parallel.position_acceptance``); for the ordinary draft every position drafts from the
+  true prefix, so it is its next-token acceptance at every position;
+- the draft's cost for K tokens, in target single-token steps: one forward over [x, K-1 masks]
+  against K one-token forwards, on a 128-token context;
+- for gamma 1..6, greedy, batch 1: tau, alpha, c (one draft forward), v, the measured speedup, and the
+  predicted one ``(1 + sum_j prod_{i<=j} a_i) / (forwards * c + v)`` from the per-position acceptance
+  a_i (``forwards``: 1 per round for the parallel draft, gamma for the ordinary one);
+- in float32, and in bfloat16 where the CPU has it natively.
+
+Run (2 x MINUTES of training, then about 30 minutes of measuring on 2 cores):
+    .venv/bin/python benchmarks/parallel_drafting.py --minutes 30
+Smoke test on the tiny target (a minute):
+    .venv/bin/python benchmarks/parallel_drafting.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from common import PROMPTS, save
+
+from draftsmith.distill import vocab_cut
+from draftsmith.distill.drafts import load_draft
+from draftsmith.distill.drafts.parallel import ParallelDraft, position_acceptance
+from draftsmith.distill.losses import row_acceptance
+from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.decoder import target_generate
+from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
+from draftsmith.specdec.measure.baseline import measure_baseline
+from draftsmith.specdec.measure.clock import Clock
+from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.prompts import encode_chat, read_prompts
+from draftsmith.specdec.stream import ModelStream
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import save as save_checkpoint
+from draftsmith.train.loop import setup, train_step
+from draftsmith.train.models import load_target
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+ORDINARY = ["draft_kind=lm", "kind_options={}"]  # the parallel config's draft, without its masks
+# --smoke: configs/tiny.yaml as a parallel draft (<unk> as the mask: the character data has none), head cut too
+SMOKE = ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}"]
+
+
+def train_for(cfg: DistillConfig, minutes: float) -> tuple[int, float]:
+    """Train the run ``cfg`` describes until ``minutes`` of training steps have passed (setup and the
+    step-0 held-out evaluation not counted), then save its draft as ``checkpoint-{step}``: (steps, seconds)."""
+    run = setup(cfg)
+    spent, epoch = 0.0, 0
+    while spent < 60 * minutes:
+        run.loader.set_epoch(epoch)
+        batches = iter(run.loader)
+        for _ in range(len(run.loader) // cfg.grad_accum):
+            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            start = time.perf_counter()
+            train_step(run, micro)
+            spent += time.perf_counter() - start
+            if spent >= 60 * minutes:
+                break
+        epoch += 1
+    run.bar.close()
+    save_checkpoint(run)
+    return run.step, spent
+
+
+def answers_batch(target, tokenizer, prompts: list[list[int]], tokens: int, eos) -> dict:
+    """The target's greedy answers to ``prompts`` as a right-padded batch whose loss rows predict them."""
+    answers = target_generate(target, prompts, tokens, eos_ids=eos)[0]
+    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
+    width = max(len(s) for s in sequences)
+    pad = tokenizer.pad_token_id or 0
+    loss = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for row, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        loss[row, len(prompt) - 1 : len(prompt) + len(answer) - 1] = True
+    return {
+        "input_ids": torch.tensor([s + [pad] * (width - len(s)) for s in sequences]),
+        "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences]),
+        "loss_mask": loss,
+    }
+
+
+@torch.no_grad()
+def next_token_acceptance(draft, target, batch: dict) -> float:
+    """An ordinary draft's held-out acceptance at the loss rows, with the head it decodes with."""
+    rows = vocab_cut.loss_rows(batch["loss_mask"])
+    p = vocab_cut.head_log_probs(target, vocab_cut.target_rows(target, batch, rows).hidden, None)
+    logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+    return float(row_acceptance(logits.flatten(0, 1)[rows], p).mean())
+
+
+def decoding_draft(folder: Path, target, eos):
+    """A saved draft as eval-run decodes it: a parallel draft carries its cut; an ordinary one is cut here."""
+    draft = load_draft(str(folder), target, target.device, target.dtype)
+    if isinstance(draft, ParallelDraft) or not (folder / draft_vocab.FILE).is_file():
+        return draft
+    return draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(folder), eos)
+
+
+@torch.inference_mode()
+def cost_for_k(target, draft, k_max: int, mask: int, context: int = 128, reps: int = 7) -> dict:
+    """Median seconds, in target single-token steps, of one draft forward over [x, K-1 masks] and of K
+    one-token draft forwards, for K = 1..k_max, on a ``context``-token cache."""
+    clock = Clock(target.device)
+    prompt = torch.arange(1, context + 1)[None] % target.config.vocab_size
+    streams = {
+        name: ModelStream(model, 1, context + k_max + 2, "slot")
+        for name, model in (("target", target), ("draft", draft))
+    }
+    for stream in streams.values():
+        stream.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), logits_to_keep=1)
+    keep = torch.tensor([context])
+
+    def median_time(name: str, widths: list[int]) -> float:
+        times = []
+        for _ in range(reps):
+            clock.lap()
+            for width in widths:
+                step = torch.full((1, width), mask)
+                streams[name].forward(step, torch.ones_like(step, dtype=torch.bool), logits_to_keep=width)
+            times.append(clock.lap())
+            streams[name].rollback(keep)
+        return sorted(times)[reps // 2]
+
+    step = median_time("target", [1])
+    return {
+        k: {"one_forward": median_time("draft", [k]) / step, "k_forwards": median_time("draft", [1] * k) / step}
+        for k in range(1, k_max + 1)
+    }
+
+
+def predicted(acceptance: list[float], gamma: int, forwards: int, c: float, v: float) -> float:
+    """Expected tokens per round ``1 + sum_j prod_{i<=j} a_i`` over the round's cost in target steps."""
+    tokens, reach = 1.0, 1.0
+    for a in acceptance[:gamma]:
+        reach *= a
+        tokens += reach
+    return tokens / (forwards * c + v)
+
+
+def measure(draft, target, tokenizer, eos, acceptance: list[float], parallel: bool, args, baseline) -> dict:
+    """alpha, tau, c, v, measured and predicted speedup of ``draft`` at each of ``args.gammas``."""
+    prompts = read_prompts(PROMPTS)[: args.prompts]
+    rows = {}
+    for gamma in args.gammas:
+        settings = MeasureSettings(
+            prompts,
+            options=DecodeOptions(gamma=gamma),
+            max_new_tokens=args.max_new_tokens,
+            eos_ids=eos,
+            repeats=args.repeats,
+            progress=False,
+        )
+        r = evaluate_pair(target, draft, tokenizer, settings, baseline=baseline)
+        c, v = r["cost_ratio_c"], r["verify_ratio_v"]
+        rows[gamma] = {
+            "acceptance_rate": r["acceptance_rate"],
+            "tau": r["mean_accepted_tokens"],
+            "c": c,
+            "v": v,
+            "speedup": r["speedup"],
+            "predicted": predicted(acceptance, gamma, 1 if parallel else gamma, c, v),
+            "greedy_match": r["greedy_match"],
+        }
+        print(
+            f"  gamma {gamma}: alpha {r['acceptance_rate']:.3f} tau {rows[gamma]['tau']:.2f} c {c:.3f} v {v:.2f} "
+            f"speedup {r['speedup']:.3f} predicted {rows[gamma]['predicted']:.3f} greedy {r['greedy_match']}"
+        )
+    return rows
+
+
+def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dtype, args) -> dict:
+    """Everything measured for both drafts with the target (and the drafts) in ``dtype``."""
+    target, tokenizer = load_target(cfg, torch.device("cpu"), dtype)
+    eos = eos_token_ids(target, tokenizer)
+    prompts = [encode_chat(tokenizer, p.turns[0]) for p in read_prompts(PROMPTS)[: args.heldout]]
+    batch = answers_batch(target, tokenizer, prompts, args.max_new_tokens, eos)
+    k, mask = cfg.kind_options["k"], cfg.kind_options["mask_token_id"]
+    settings = MeasureSettings(
+        read_prompts(PROMPTS)[: args.prompts],
+        max_new_tokens=args.max_new_tokens,
+        eos_ids=eos,
+        repeats=args.repeats,
+        progress=False,
+    )
+    baseline = measure_baseline(target, tokenizer, settings)
+    result = {}
+    for name, folder in folders.items():
+        draft = decoding_draft(folder, target, eos)
+        parallel = isinstance(draft, ParallelDraft)
+        with torch.no_grad():
+            if parallel:
+                acceptance = position_acceptance(draft, target, batch, max(k, max(args.gammas))).tolist()
+            else:
+                acceptance = [next_token_acceptance(draft, target, batch)] * max(k, max(args.gammas))
+        print(
+            f"{name} ({str(dtype).removeprefix('torch.')}): per-position acceptance {[round(a, 3) for a in acceptance]}"
+        )
+        result[name] = {
+            "position_acceptance": acceptance,
+            "cost_for_k": cost_for_k(target, draft.decoding_model() if parallel else draft, max(args.gammas), mask),
+            "gammas": measure(draft, target, tokenizer, eos, acceptance, parallel, args, baseline),
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=30.0, help="training minutes per draft")
+    parser.add_argument("--out", default="runs/parallel_drafting")
+    parser.add_argument("--gammas", default="1,2,3,4,5,6")
+    parser.add_argument("--prompts", type=int, default=8, help="evaluation prompts timed")
+    parser.add_argument("--heldout", type=int, default=24, help="evaluation prompts for per-position acceptance")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32,bfloat16" if cpu_has_native_bfloat16() else "float32")
+    parser.add_argument("--smoke", action="store_true", help="the tiny target, seconds of training, few prompts")
+    args = parser.parse_args()
+    overrides = ["max_steps=1000000", "save_steps=1000000", "log_steps=1000000", "keep_last=1"]
+    config, parallel = CONFIGS / "smollm2-135m-parallel.yaml", []
+    if args.smoke:
+        config, parallel = CONFIGS / "tiny.yaml", SMOKE
+        overrides.append("train_draft_vocab=48")
+        args.minutes, args.prompts, args.heldout, args.max_new_tokens, args.repeats = 0.1, 2, 4, 16, 1
+        args.gammas = "1,2,3"
+    args.gammas = [int(g) for g in args.gammas.split(",")]
+    out = Path(args.out) / ("smoke" if args.smoke else "default")
+    folders, trained = {}, {}
+    for name, kind in (("ordinary", ORDINARY), ("parallel", parallel)):
+        cfg = load_config(DistillConfig, str(config), [*overrides, *kind, f"output_dir={out / name}"])
+        record = out / name / "trained.json"
+        if not record.is_file():  # a later call measures the same drafts again
+            steps, seconds = train_for(cfg, args.minutes)
+            record.write_text(json.dumps({"steps": steps, "train_s": seconds}))
+        trained[name] = json.loads(record.read_text())
+        folders[name] = out / name / f"checkpoint-{trained[name]['steps']}"
+        print(f"{name}: {trained[name]['steps']} steps in {trained[name]['train_s'] / 60:.1f} min")
+    parallel_cfg = load_config(DistillConfig, str(config), [*overrides, *parallel, f"output_dir={out / 'parallel'}"])
+    result = {"trained": trained, "minutes": args.minutes, "smoke": args.smoke, "dtypes": {}}
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        result["dtypes"][name] = measure_dtype(parallel_cfg, folders, dtype, args)
+    if args.smoke:  # not a measurement of anything worth keeping
+        (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
+        print(f"written: {out / 'result.json'}")
+    else:
+        save("parallel_drafting", result)
+
+
+if __name__ == "__main__":
+    main()
