@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -219,24 +220,36 @@ def target_examples(prompts: list[list[int]], responses: list[list[int]], max_le
     return examples
 
 
+@dataclass(frozen=True)
+class Answering:
+    """How a model's answers to prompts are generated: at most ``max_new_tokens`` each, drawn with
+    ``sampling`` (one generator seeded ``seed``), stopped at ``eos_ids``, ``batch_size`` prompts at a time."""
+
+    max_new_tokens: int
+    sampling: SamplingParams
+    eos_ids: frozenset[int]
+    batch_size: int
+    seed: int
+
+
 def generate_responses(
     model: PreTrainedModel,
     prompts: list[list[int]],
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    eos_ids: frozenset[int],
-    batch_size: int,
-    seed: int,
+    answering: Answering,
     desc: str = "generating",
     progress: bool = True,
 ) -> list[list[int]]:
     """Answers of ``model`` to ``prompts`` (token ids), batched and KV-cached."""
-    generator = torch.Generator(device=model.device).manual_seed(seed)
+    generator = torch.Generator(device=model.device).manual_seed(answering.seed)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
     answers: list[list[int]] = [[] for _ in prompts]
+    batch_size = answering.batch_size
     for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not progress, unit="batch"):
         chunk = order[start : start + batch_size]
-        outs, _ = target_generate(model, [prompts[i] for i in chunk], max_new_tokens, sampling, eos_ids, generator)
+        batch = [prompts[i] for i in chunk]
+        outs, _ = target_generate(
+            model, batch, answering.max_new_tokens, answering.sampling, answering.eos_ids, generator
+        )
         for i, out in zip(chunk, outs, strict=True):
             answers[i] = out
     return answers
@@ -247,23 +260,16 @@ def cached_target_responses(
     target_name: str,
     target: PreTrainedModel,
     prompts: list[list[int]],
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    eos_ids: frozenset[int],
-    batch_size: int,
-    seed: int,
+    answering: Answering,
     progress: bool = True,
 ) -> list[list[int]]:
     """The target's responses, generated once per (target and its dtype, prompts, settings), saved with ``datasets``."""
-    key_src = json.dumps(
-        [target_name, str(target.dtype), max_new_tokens, sampling.__dict__, sorted(eos_ids), seed, prompts]
-    )
+    settings = [answering.max_new_tokens, answering.sampling.__dict__, sorted(answering.eos_ids), answering.seed]
+    key_src = json.dumps([target_name, str(target.dtype), *settings, prompts])
     folder = cache_root / f"target-responses-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
     if (folder / "dataset_info.json").is_file():
         return datasets.load_from_disk(str(folder))["response_ids"]
-    responses = generate_responses(
-        target, prompts, max_new_tokens, sampling, eos_ids, batch_size, seed, desc="target answers", progress=progress
-    )
+    responses = generate_responses(target, prompts, answering, desc="target answers", progress=progress)
     with atomic_path(folder) as tmp:
         datasets.Dataset.from_dict({"prompt_ids": prompts, "response_ids": responses}).save_to_disk(str(tmp))
     return responses

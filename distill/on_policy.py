@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.distill.data import collate, generate_responses, target_examples
+from draftsmith.distill.data import Answering, collate, generate_responses, target_examples
 from draftsmith.specdec.sampling import SamplingParams
 
 
@@ -59,17 +59,8 @@ class OnPolicyMixer:
         chosen = rng.sample(self.prompts, min(self.pool_size, len(self.prompts)))
         was_training = draft.training
         draft.eval()
-        answers = generate_responses(
-            draft,
-            chosen,
-            self.max_new_tokens,
-            self.sampling,
-            self.eos_ids,
-            batch_size=16,
-            seed=self.seed + step,
-            desc="draft answers",
-            progress=progress,
-        )
+        answering = Answering(self.max_new_tokens, self.sampling, self.eos_ids, batch_size=16, seed=self.seed + step)
+        answers = generate_responses(draft, chosen, answering, desc="draft answers", progress=progress)
         draft.train(was_training)
         self.pool = target_examples(chosen, answers, self.max_length)
 

@@ -117,17 +117,11 @@ def target_answers(
     cfg: DistillConfig, target, tokenizer, prompts: list[list[int]], sampling: SamplingParams, accelerator: Accelerator
 ) -> list[list[int]]:
     """The target's answers to ``prompts``, generated once and cached under DRAFTSMITH_HOME."""
+    eos = eos_token_ids(target, tokenizer)
+    answering = ddata.Answering(cfg.gen_max_new_tokens, sampling, eos, batch_size=cfg.gen_batch_size, seed=cfg.seed)
+    root = draftsmith_home() / "data"
     return ddata.cached_target_responses(
-        draftsmith_home() / "data",
-        target_name(cfg),
-        target,
-        prompts,
-        max_new_tokens=cfg.gen_max_new_tokens,
-        sampling=sampling,
-        eos_ids=eos_token_ids(target, tokenizer),
-        batch_size=cfg.gen_batch_size,
-        seed=cfg.seed,
-        progress=accelerator.is_main_process,
+        root, target_name(cfg), target, prompts, answering, progress=accelerator.is_main_process
     )
 
 

@@ -304,7 +304,7 @@ def test_auto_precision_follows_native_bfloat16(tmp_path, monkeypatch, native):
 
 
 def test_target_answers_are_cached_per_target_dtype(tmp_path):
-    from draftsmith.distill.data import cached_target_responses
+    from draftsmith.distill.data import Answering, cached_target_responses
     from draftsmith.distill.tiny import tiny_target
     from draftsmith.specdec.sampling import SamplingParams
 
@@ -312,7 +312,8 @@ def test_target_answers_are_cached_per_target_dtype(tmp_path):
     prompts = [[5, 6, 7], [8, 9]]
 
     def answers(model):
-        return cached_target_responses(tmp_path, "tiny", model, prompts, 4, SamplingParams(), frozenset(), 2, 0, False)
+        answering = Answering(4, SamplingParams(), frozenset(), batch_size=2, seed=0)
+        return cached_target_responses(tmp_path, "tiny", model, prompts, answering, progress=False)
 
     first = answers(target)
     assert answers(target) == first and len(list(tmp_path.glob("target-responses-*"))) == 1
