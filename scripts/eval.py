@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.checks import check_eval_options
 from draftsmith.distill.drafts import DraftKind, kind_of_model, load_draft
 from draftsmith.engine_eval import check_engine_eval_options, engine_eval_options, engine_report, show_engine_report
 from draftsmith.options import GAMMA, device_options, draft_vocab_option, progress_option, prompt_options
@@ -225,6 +226,7 @@ def load_pair(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_eval_options(args)  # before anything loads: contradictions, options that do not apply, --json
     not_in_engine = {
         "--compare-hf": args.compare_hf,
         "--all-turns": args.all_turns,

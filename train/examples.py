@@ -73,12 +73,7 @@ def built_examples(cfg: DistillConfig, folder: Path) -> tuple[list[dict], list[d
     """(train, held-out) examples of a dataset folder written by ``draftsmith data``: the target's
     answers are already there, so nothing is generated. The first ``heldout`` rows after a seeded
     shuffle are held out (their answers were sampled with the dataset's own settings)."""
-    made_by = dataset_builder.read_manifest(folder)["settings"]["target"]
-    if made_by != cfg.target:
-        raise DraftsmithError(
-            f"{folder} holds answers of target {made_by!r}, not of {cfg.target!r}; distill with target={made_by} "
-            "or build a dataset with this target (draftsmith data --target ...)"
-        )
+    dataset_builder.check_trusted(folder, cfg.target, cfg.allow_incomplete)
     examples = dataset_builder.training_examples(folder, cfg.max_length)
     if cfg.max_samples is not None:
         examples = examples[: cfg.max_samples]

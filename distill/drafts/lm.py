@@ -142,6 +142,14 @@ class LMKind:
             raise DraftsmithError(f"draft_init must be one of {', '.join(INITS)} for lm drafts, got {settings.init!r}")
         if settings.init == "pretrained" and not settings.model:
             raise DraftsmithError("draft_init pretrained needs draft_model")
+        if settings.config and settings.init != "config":
+            raise DraftsmithError(
+                f"draft_config applies to draft_init config; draft_init {settings.init} ignores it: leave it out"
+            )
+        if settings.model and settings.init != "pretrained":
+            raise DraftsmithError(
+                f"draft_model applies to draft_init pretrained; draft_init {settings.init} ignores it: leave it out"
+            )
         check_options(self.name, settings.options, {})
 
     def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:

@@ -85,3 +85,10 @@ def test_resume_with_a_changed_training_setting_needs_force_and_is_recorded(tmp_
     assert log == [{"step": 2, "changed": {"loss": ["tvd", "forward_kl"], "lr": [0.003, 0.001]}}]
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert distill(tmp_path, "max_steps=6", "lr=0.001", "loss=forward_kl", *steps) == 0  # the new settings hold
+
+
+def test_draft_settings_the_initialisation_ignores_are_refused(tmp_path, capsys):
+    assert distill(tmp_path, "draft_config={num_hidden_layers: 1}") == 2
+    assert "draft_config applies to draft_init config; draft_init truncate ignores it" in capsys.readouterr().err
+    assert distill(tmp_path, "draft_init=config", f"draft_model={tmp_path}") == 2
+    assert "draft_model applies to draft_init pretrained; draft_init config ignores it" in capsys.readouterr().err
