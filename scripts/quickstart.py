@@ -20,6 +20,7 @@ from draftsmith.train import checkpoint
 from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 from draftsmith.train.loop import train
+from draftsmith.train.models import RunModels
 from draftsmith.train.publish import check_output_folder, publish
 
 CONFIG = "smollm2-135m"
@@ -56,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     gammas = check_before_training(args, cfg, out)
 
     print(f"[1/3] distilling a draft into {run_dir}")
+    models = RunModels(cfg)  # the config and the target, loaded once for the three stages
     if not checkpoint.is_complete(run_dir / f"checkpoint-{cfg.max_steps}"):
-        train(cfg)
+        trained = train(cfg)
+        models.tokenizer = trained.tokenizer
+        models.targets[(str(trained.target.device), trained.target.dtype)] = trained.target
     print(f"[2/3] measuring the real speedup of every checkpoint on {args.prompts}")
     settings = RunEvalSettings(
         args.prompts,
@@ -66,12 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         limit=args.limit,
         draft_vocab_size=args.draft_vocab,
     )
-    report = evaluate_run(run_dir, settings)
+    report = evaluate_run(run_dir, settings, models)
     best = report["best"]
     if best is None:
         raise DraftsmithError(f"no draft of {run_dir} could be measured")
     print(f"[3/3] publishing {best} to {out / 'draft'}")
-    draft_dir = publish(run_dir / best, out / "draft", overwrite=True)
+    draft_dir = publish(run_dir / best, out / "draft", overwrite=True, models=models)
     print_summary(run_dir, report, best)
     print(f"\npublished draft: {draft_dir}\nreport: {run_dir / 'speedup_report.md'}, {run_dir / 'speedup.png'}")
     return 0

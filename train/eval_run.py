@@ -32,8 +32,8 @@ from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.train import checkpoint, speedup
-from draftsmith.train.config import DistillConfig, load_run_config
-from draftsmith.train.models import load_target
+from draftsmith.train.config import DistillConfig
+from draftsmith.train.models import RunModels
 
 
 @dataclass(frozen=True)
@@ -75,16 +75,20 @@ class RunEvalSettings:
             raise DraftsmithError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
 
-def evaluate_run(run_dir: Path, settings: RunEvalSettings) -> dict:
-    """Measure the drafts of ``run_dir`` not yet in its report; return the report (``best`` names the best draft)."""
-    cfg = load_run_config(run_dir)
+def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | None = None) -> dict:
+    """Measure the drafts of ``run_dir`` not yet in its report; return the report (``best`` names the best draft).
+
+    models: the run's config and target when the caller has them loaded (``quickstart``)."""
+    models = models or RunModels.for_run(run_dir)
+    cfg = models.cfg
     draft_vocab_size = cfg.train_draft_vocab if settings.draft_vocab_size is None else settings.draft_vocab_size
     drafts = checkpoint.drafts_of_run(run_dir)
     if not drafts:
         raise DraftsmithError(f"{run_dir} has no checkpoints yet (no initial/ or checkpoint-*/ folders)")
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    target, tokenizer = load_target(cfg, device, dtype)
+    target = models.target(device, dtype)
+    tokenizer = models.tokenizer
     eos = eos_token_ids(target, tokenizer)
     ranking = draft_vocab.load_ranking(run_dir, draft_vocab_size) if draft_vocab_size else None
     report = start_report(run_dir, cfg, settings, dtype, draft_vocab_size)

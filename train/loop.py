@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_sc
 
 from draftsmith.distill import data as ddata
 from draftsmith.distill import vocab_cut
-from draftsmith.distill.drafts import kind_named, lm
+from draftsmith.distill.drafts import kind_named, kind_of_model, lm
 from draftsmith.distill.drafts.kind import Batch, DraftKind, Predictions
 from draftsmith.distill.drafts.lm import count_parameters
 from draftsmith.distill.losses import row_acceptance, row_cross_entropy, row_token_losses
@@ -99,6 +99,8 @@ class Result:
     step: int
     metrics: dict  # the last held-out record: step, acceptance_rate, tvd (and loss, lr, tokens_per_s after step 0)
     draft: torch.nn.Module  # this process's trained draft, unwrapped
+    target: PreTrainedModel  # the frozen target it was distilled from (the teacher, in its dtype)
+    tokenizer: PreTrainedTokenizerBase
 
 
 def print0(accelerator: Accelerator, *args) -> None:
@@ -131,7 +133,8 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
     summarize(run)
-    return Result(run.run_dir, run.step, run.last_metrics, run.accelerator.unwrap_model(run.draft))
+    draft = run.accelerator.unwrap_model(run.draft)
+    return Result(run.run_dir, run.step, run.last_metrics, draft, run.target, run.tokenizer)
 
 
 def setup(cfg: DistillConfig) -> Run:
@@ -228,8 +231,11 @@ def cut_head_ids(
 
 
 def decoding_draft(draft, head_ids: torch.Tensor | None):
-    """The draft as it decodes: with its head cut to ``head_ids`` when training used a cut."""
-    return draft if head_ids is None else draft_vocab.SubsetHeadDraft(draft, head_ids.tolist())
+    """The draft as it decodes: with its head cut to ``head_ids`` when training used a cut and its kind
+    decodes through the generic cut head (a kind whose vocabulary is its own carries it itself)."""
+    if head_ids is None or not kind_of_model(draft).cuts_head:
+        return draft
+    return draft_vocab.SubsetHeadDraft(draft, head_ids.tolist())
 
 
 def loss_head(run: Run) -> LossHead:
@@ -338,7 +344,13 @@ def distill_step_loss(cfg: DistillConfig, draft, teacher_rows: Teacher, batch: d
 def draft_predictions(draft, batch: dict, rows: torch.Tensor, teacher: TeacherRows, head: LossHead) -> Predictions:
     """The draft's predictions at the loss rows, by its kind's training forward."""
     kind_batch = Batch(
-        batch["input_ids"], batch["attention_mask"], batch["loss_mask"], rows, head.ids, teacher.hidden or {}
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["loss_mask"],
+        rows,
+        head.ids,
+        teacher.hidden or {},
+        teacher.log_probs,
     )
     return head.kind.training_forward(draft, head.model, kind_batch)
 

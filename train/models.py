@@ -6,6 +6,8 @@ Evaluation and publishing load a run's target from here too (``load_target``), w
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -13,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from draftsmith.distill.drafts import kind_named
 from draftsmith.distill.tiny import tiny_target
 from draftsmith.specdec.loading import load_model, load_tokenizer, resolve_dtype
-from draftsmith.train.config import DistillConfig, draft_settings
+from draftsmith.train.config import DistillConfig, draft_settings, load_run_config
 
 
 def load_target(
@@ -27,6 +29,32 @@ def load_target(
         tokenizer = load_tokenizer(cfg.target)
         target = load_model(cfg.target, device, dtype, device_map=cfg.teacher_device_map)
     return target.requires_grad_(False).eval(), tokenizer
+
+
+@dataclass
+class RunModels:
+    """A run's config, tokenizer and target, loaded once and shared by the stages of one command
+    (``quickstart``: training, eval-run and publish). A stage run alone starts from ``for_run``.
+    The target is loaded once per device; another dtype is a cast copy of it, not a second load."""
+
+    cfg: DistillConfig
+    tokenizer: PreTrainedTokenizerBase | None = None
+    targets: dict[tuple[str, torch.dtype], PreTrainedModel] = field(default_factory=dict)
+
+    @classmethod
+    def for_run(cls, run_dir: Path) -> RunModels:
+        return cls(load_run_config(run_dir))
+
+    def target(self, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+        """The frozen target on ``device`` in ``dtype``."""
+        key = (str(device), dtype)
+        if key not in self.targets:
+            same_device = [model for (where, _), model in self.targets.items() if where == str(device)]
+            if same_device:
+                self.targets[key] = copy.deepcopy(same_device[0]).to(dtype)
+            else:
+                self.targets[key], self.tokenizer = load_target(self.cfg, device, dtype)
+        return self.targets[key]
 
 
 def teacher_dtype(cfg: DistillConfig, device: torch.device) -> torch.dtype:

@@ -27,8 +27,8 @@ from draftsmith.specdec.loading import check_compatible, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.train import checkpoint
-from draftsmith.train.config import RUN_CONFIG, DistillConfig, load_run_config
-from draftsmith.train.models import load_target
+from draftsmith.train.config import RUN_CONFIG, DistillConfig
+from draftsmith.train.models import RunModels
 from draftsmith.train.speedup import BEST, REPORT
 
 GAMMA = 4  # draft tokens per round of an unmeasured draft (eval's default)
@@ -68,18 +68,25 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def publish(
-    ckpt: Path, out: Path, overwrite: bool = False, repo_id: str | None = None, license: str | None = None
+    ckpt: Path,
+    out: Path,
+    overwrite: bool = False,
+    repo_id: str | None = None,
+    license: str | None = None,
+    models: RunModels | None = None,
 ) -> Path:
     """Write checkpoint ``ckpt`` (or a run's best) to ``out`` with a model card; return ``out``.
 
     repo_id: the hub repository the folder is going to (the card's usage names it; else ``out``).
-    license: the card's license field (default: the built-in target's, else "other")."""
+    license: the card's license field (default: the built-in target's, else "other").
+    models: the run's config and target when the caller has them loaded (``quickstart``)."""
     ckpt = resolve_checkpoint(ckpt)
     check_output_folder(out, {"the checkpoint being published": ckpt, "its run": ckpt.parent}, overwrite)
     run_dir = ckpt.parent
-    cfg = load_run_config(run_dir)
-    device = torch.device("cpu")
-    target, target_tokenizer = load_target(cfg, device)
+    models = models or RunModels.for_run(run_dir)
+    cfg, device = models.cfg, torch.device("cpu")
+    target = models.target(device, torch.float32)
+    target_tokenizer = models.tokenizer
     kind = kind_of_folder(ckpt)
     draft = kind.load(ckpt, target, device, torch.float32)
     tokenizer = load_tokenizer(str(ckpt))

@@ -5,13 +5,14 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
 from draftsmith.cli import main
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.measure.baseline import measure_baseline
-from draftsmith.train import eval_run, speedup
+from draftsmith.train import eval_run, models, speedup
 from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.loop import train
 from draftsmith.train.speedup import choose_best, measure_draft
@@ -144,7 +145,10 @@ def test_push_without_credentials_keeps_the_local_folder(tmp_path, run_dir, caps
     assert (out / "model.safetensors").is_file()
 
 
-def test_quickstart_end_to_end_on_the_tiny_config(tmp_path, capsys):
+def test_quickstart_end_to_end_on_the_tiny_config(tmp_path, capsys, monkeypatch):
+    loads = []
+    load_target = models.load_target
+    monkeypatch.setattr(models, "load_target", lambda *a, **k: loads.append(a[1:]) or load_target(*a, **k))
     code = main(
         [
             "quickstart",
@@ -173,6 +177,8 @@ def test_quickstart_end_to_end_on_the_tiny_config(tmp_path, capsys):
     assert (tmp_path / "qs" / "draft" / "README.md").is_file()
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "qs" / "draft")
     assert draft.config.num_hidden_layers == 1  # configs/tiny.yaml truncates to one layer
+    # The three stages share one target: training loads it, eval-run and publish reuse it.
+    assert loads == [(torch.device("cpu"),)]
 
 
 def test_early_exit_draft_trains_evaluates_with_kv_reuse_and_is_not_published(tmp_path, capsys):
