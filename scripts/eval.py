@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.checks import check_eval_options
-from draftsmith.distill.drafts import DraftKind, kind_of_model, load_draft
+from draftsmith.distill.drafts import DraftKind, kind_of_folder, kind_of_model, load_draft
 from draftsmith.engine_eval import check_engine_eval_options, engine_eval_options, engine_report, show_engine_report
 from draftsmith.options import GAMMA, device_options, draft_vocab_option, progress_option, prompt_options
 from draftsmith.specdec import draft_vocab
@@ -167,7 +167,9 @@ def _published_settings(args) -> None:
     if args.gamma is None:
         args.gamma = assistant["num_assistant_tokens"] if carried_gamma else GAMMA
     if args.draft_vocab is None:
-        carried = (folder / draft_vocab.FILE).is_file() and not args.compare_hf
+        # A kind whose vocabulary is its own (cut at load, not by the generic head) carries it itself.
+        kind = kind_of_folder(folder) if folder.is_dir() else None
+        carried = (folder / draft_vocab.FILE).is_file() and not args.compare_hf and kind is not None and kind.cuts_head
         args.draft_vocab = len(draft_vocab.load_ranking(folder)) if carried else 0
     # The tree shape publish found fastest with draftsmith's decoder (transformers takes the chain gamma).
     carried_tree = assistant.get("draftsmith", {}).get("tree")

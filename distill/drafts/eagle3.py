@@ -171,7 +171,7 @@ class EagleHead(nn.Module):
         if layer_types is not None:
             self.config.layer_types = layer_types[:1]
         self.generation_config = copy.deepcopy(target.generation_config)
-        self.verifier = {"name_or_path": target.name_or_path, "architectures": target.config.architectures}
+        self.verifier = {"name_or_path": target.name_or_path, "architectures": [type(target).__name__]}
         self.embed_tokens = copy.deepcopy(decoder.embed_tokens)
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([first_layer(type(decoder.layers[0]), self.config)])
@@ -566,6 +566,8 @@ def write_layout(head: EagleHead, folder: Path, gamma: int, state: dict | None =
     tensors = file_tensors(head, state)
     save_file(tensors, folder / WEIGHTS, metadata={"format": "pt"})
     verifier = {**head.verifier, "name_or_path": head.verifier["name_or_path"] or target_name}
+    if not verifier["name_or_path"]:
+        raise DraftsmithError("the layout names the head's target (verifier.name_or_path), and this head's has no name")
     config = layout_config(head, gamma, tensors["fc.weight"].dtype, verifier)
     (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 

@@ -14,8 +14,10 @@ import math
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.specdec.decoder import DecodeStats, target_generate
+from draftsmith.specdec.decoder import DecodeStats, speculative_generate, target_generate
+from draftsmith.specdec.drafters import PairedDraft
 from draftsmith.specdec.measure.clock import eval_mode
+from draftsmith.specdec.options import DecodeOptions
 
 
 def sum_stats(stats: list[DecodeStats]) -> DecodeStats:
@@ -45,11 +47,28 @@ def step_costs(baseline: DecodeStats, spec: DecodeStats, calls: int) -> tuple[fl
 
 def measure_cost_ratio(target: PreTrainedModel, draft: torch.nn.Module, prompt_len: int = 32, steps: int = 16) -> float:
     """c = one draft decoding step / one target decoding step, each timed decoding alone (as the
-    target-only baseline decodes), for a draft that is not being evaluated as a pair."""
+    target-only baseline decodes), for a draft that is not being evaluated as a pair. A draft that
+    decodes with its own pair (``drafters.PairedDraft``: it may need the target's hidden states) is
+    timed drafting in that pair instead: its draft time per draft forward (``step_costs``' c)."""
     prompt = [[t % target.config.vocab_size for t in range(1, prompt_len + 1)]]
-    step = {}
     with eval_mode(target, draft):
-        for name, model in (("target", target), ("draft", draft)):
-            target_generate(model, prompt, 4)  # warm-up
-            step[name] = single_step_time(target_generate(model, prompt, steps + 1)[1])
-    return step["draft"] / step["target"]
+        target_step = alone_step_time(target, prompt, steps)
+        if isinstance(draft, PairedDraft):
+            draft_step = paired_step_time(target, draft, prompt, steps)
+        else:
+            draft_step = alone_step_time(draft, prompt, steps)
+    return draft_step / target_step
+
+
+def alone_step_time(model: torch.nn.Module, prompt: list[list[int]], steps: int) -> float:
+    """Seconds of one single-token step of ``model`` decoding ``prompt`` alone, after a warm-up."""
+    target_generate(model, prompt, 4)
+    return single_step_time(target_generate(model, prompt, steps + 1)[1])
+
+
+def paired_step_time(target: PreTrainedModel, draft: torch.nn.Module, prompt: list[list[int]], steps: int) -> float:
+    """Seconds of one draft forward of ``draft`` drafting for ``target`` in its own pair, after a warm-up."""
+    options = DecodeOptions(gamma=4, compile=False)
+    speculative_generate(target, draft, prompt, 4, options)
+    spec = speculative_generate(target, draft, prompt, steps + 1, options)[1]
+    return spec.draft_time / max(spec.draft_forwards - 1, 1)  # the prefill's forward is not a step
