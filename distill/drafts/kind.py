@@ -69,6 +69,8 @@ class Batch:
     logits then cover those N tokens. teacher_hidden: {layer i: (B, T, H)} the residual stream
     entering target layer i at every position, for the layers ``teacher_layers`` named, from the
     same target forward that gives the teacher's distributions ({} when none were asked for).
+    teacher_log_probs: (M, N or V) the teacher's log-probs at the loss rows as the loss reads them
+    (``train.examples.TeacherRows``), for a kind that weights its predictions by them (None: not given).
     """
 
     input_ids: torch.Tensor
@@ -77,6 +79,7 @@ class Batch:
     rows: torch.Tensor
     head_ids: torch.Tensor | None = None
     teacher_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    teacher_log_probs: torch.Tensor | None = None
 
 
 @dataclass
