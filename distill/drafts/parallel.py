@@ -489,6 +489,11 @@ class ParallelKind:
             raise DraftsmithError("kind_options: cod_ratio must be in (0, 1] and cod_min in [0, 1]")
         if settings.lora_r:
             raise DraftsmithError("parallel drafts train the whole draft: leave out lora_r")
+        if settings.loss == "accepted_length":  # its windows run over consecutive rows, not over chain steps
+            raise DraftsmithError(
+                "parallel drafts weight their chain steps for accepted length themselves; "
+                "use loss forward_kl, reverse_kl, jsd or tvd"
+            )
 
     def options(self, settings: DraftSettings) -> dict:
         return DEFAULTS | settings.options

@@ -457,6 +457,8 @@ def test_settings_are_checked_by_name():
         KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3, "k": 1}))
     with pytest.raises(DraftsmithError, match="leave out lora_r"):
         KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3}, lora_r=8))
+    with pytest.raises(DraftsmithError, match="weight their chain steps for accepted length themselves"):
+        KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3}, loss="accepted_length"))
     KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3, "k": 8, "cod_ratio": 0.8}))
     with pytest.raises(DraftsmithError, match="mask_token_id must be a vocabulary id"):
         ParallelDraft(tiny_llama(vocab=V), V)
