@@ -91,6 +91,6 @@ def engine_draft_folder(spec: str, target_spec: str, draft: torch.nn.Module, tok
     if folder.is_dir() and kind is not None:
         kind.engine_config(folder)  # refuses a draft no engine runs
         return spec
-    kind.engine_config(scratch)
+    kind.engine_config(folder)  # refuses a draft no engine runs, naming it as the command did
     kind.export(draft, tokenizer, scratch, Serving(gamma=1))  # the engine is told gamma itself
     return str(scratch)
