@@ -1,0 +1,243 @@
+"""Drafter kinds side by side on the default target: the 2-layer truncated LM, the early-exit draft and
+the EAGLE-3 head, each trained the same wall-clock minutes on the same shipped data, then measured on
+held-out prompts.
+
+Training: each kind's shipped config (``configs/smollm2-135m.yaml``, ``smollm2-135m-early-exit.yaml``,
+``smollm2-135m-eagle3.yaml``) on ``dataset: smollm2-self``, stepped until ``--minutes`` of training
+steps have passed or its ``max_steps`` are done (set-up, held-out evaluations and checkpoint writing
+not counted), then its held-out alpha logged and its draft saved. The machine's load is recorded
+before and after each run: on a shared machine the same minutes buy fewer steps when it is busy.
+
+Measured per draft, greedy, batch 1, on prompts never trained on (``distill/data/eval_prompts.jsonl``):
+
+- greedy alpha per position, teacher-forced on the target's greedy answers to ``--heldout`` prompts:
+  the share of answer positions where draft token j+1 (drafted after j right ones) is the target's
+  argmax. A standalone LM or an early-exit draft drafts every position from the true prefix, so its
+  figure is the same at every j; the EAGLE-3 head's step j reads its own features of step j-1
+  (its training forward, unrolled ``--positions`` steps);
+- eval-run's measurement (``train.speedup.measure_draft``): tau, alpha, c, v, the measured and
+  predicted speedup at the best gamma of ``--gammas``, and the best token tree of ``--trees``;
+- in float32, and in bfloat16 where the CPU multiplies it natively (the machine's flags are saved).
+
+Run (3 x MINUTES of training, then about 20 minutes of measuring per dtype on 2 cores):
+    .venv/bin/python benchmarks/drafter_kinds.py --minutes 20
+Smoke test on the tiny target (a few minutes):
+    .venv/bin/python benchmarks/drafter_kinds.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+from common import PROMPTS, save
+
+from draftsmith.distill.drafts import kind_of_folder, load_draft
+from draftsmith.distill.drafts.eagle3 import KIND as EAGLE3
+from draftsmith.distill.drafts.eagle3 import EagleHead, unroll
+from draftsmith.distill.drafts.kind import Batch
+from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.decoder import target_generate
+from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
+from draftsmith.specdec.measure.baseline import measure_baseline
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.prompts import encode_chat, read_prompts
+from draftsmith.specdec.tree import TreeShape
+from draftsmith.train import checkpoint
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import log_heldout, setup, train_step
+from draftsmith.train.loop import save as save_checkpoint
+from draftsmith.train.models import load_target
+from draftsmith.train.speedup import measure_draft
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+KINDS = {  # name -> (config, overrides): every kind on the same shipped data
+    "truncated LM (2 layers)": ("smollm2-135m.yaml", ["dataset=smollm2-self"]),
+    "early exit (4 layers + exit head)": ("smollm2-135m-early-exit.yaml", ["dataset=smollm2-self"]),
+    "EAGLE-3 head": ("smollm2-135m-eagle3.yaml", ["dataset=smollm2-self"]),
+}
+# --smoke: configs/tiny.yaml as each kind
+SMOKE = {
+    "truncated LM (1 layer)": ("tiny.yaml", []),
+    "early exit (2 layers + exit head)": ("tiny.yaml", ["draft_kind=early_exit", "draft_layers=2"]),
+    "EAGLE-3 head": ("tiny.yaml", ["draft_kind=eagle3", "train_draft_vocab=30"]),
+}
+
+
+def train_for(cfg: DistillConfig, minutes: float) -> dict:
+    """Train the run ``cfg`` describes for ``minutes`` of training steps (or its max_steps), then log
+    its held-out alpha and save its draft as ``checkpoint-{step}``: what it did."""
+    load_before = os.getloadavg()[0]
+    run = setup(cfg)
+    spent, epoch = 0.0, 0
+    while spent < 60 * minutes and run.step < cfg.max_steps:
+        run.loader.set_epoch(epoch)
+        batches = iter(run.loader)
+        for _ in range(len(run.loader) // cfg.grad_accum):
+            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            start = time.perf_counter()
+            loss, tokens = train_step(run, micro)
+            spent += time.perf_counter() - start
+            run.window_loss, run.window_tokens = run.window_loss + loss, run.window_tokens + tokens
+            if spent >= 60 * minutes or run.step >= cfg.max_steps:
+                break
+        epoch += 1
+    log_heldout(run)
+    run.bar.close()
+    save_checkpoint(run)
+    return {
+        "steps": run.step,
+        "train_seconds": spent,
+        "heldout_alpha": run.last_metrics["acceptance_rate"],
+        "load_average": [load_before, os.getloadavg()[0]],
+    }
+
+
+def answers_batch(target, tokenizer, prompts: list[list[int]], tokens: int, eos) -> dict:
+    """The target's greedy answers to ``prompts``, right-padded, with the loss rows that predict them."""
+    answers = target_generate(target, prompts, tokens, eos_ids=eos)[0]
+    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), tokenizer.pad_token_id or 0)
+    attention, loss = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    for row, (prompt, sequence) in enumerate(zip(prompts, sequences, strict=True)):
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        attention[row, : len(sequence)] = 1
+        loss[row, len(prompt) - 1 : len(sequence) - 1] = True
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
+
+
+@torch.no_grad()
+def greedy_agreement(draft, target, batch: dict, positions: int) -> list[float]:
+    """Per draft position j, the share of answer rows where draft token j+1 (after j right drafts) is
+    the target's argmax, teacher-forced on ``batch``."""
+    out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    rows = batch["loss_mask"].flatten().nonzero()[:, 0]
+    best = out.logits.flatten(0, 1)[rows].argmax(-1)  # (M,) the target's token at each row
+    if not isinstance(draft, EagleHead):
+        logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return [float((logits.flatten(0, 1)[rows].argmax(-1) == best).float().mean())] * positions
+    hidden = {i: out.hidden_states[i] for i in draft.aux_layers}
+    kind_batch = Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], rows, None, hidden)
+    steps, draft.ttt_steps = draft.ttt_steps, positions
+    draft.train()  # the unrolled training forward, on the head's own vocabulary
+    predicted = EAGLE3.training_forward(draft, draft, kind_batch)
+    draft.eval()
+    draft.ttt_steps = steps
+    drafted = draft.vocab[predicted.logits.argmax(-1)]  # (R,) target ids, step 0's first
+    sizes = [len(anchors) for anchors in unroll(rows, batch["input_ids"].shape[1], positions).anchors]
+    step = torch.cat([torch.full((n,), j) for j, n in enumerate(sizes)])
+    agree = (drafted == best[predicted.teacher_rows]).float()
+    return [float(agree[step == j].mean()) for j in range(positions)]
+
+
+def decoding_draft(folder: Path, target, eos):
+    """A saved draft as eval-run decodes it: a standalone LM trained with a cut head decodes with it."""
+    draft = load_draft(str(folder), target, target.device, target.dtype)
+    if kind_of_folder(folder).cuts_head and (folder / draft_vocab.FILE).is_file():
+        return draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(folder), eos)
+    return draft
+
+
+def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dtype, args) -> dict:
+    """Per-position agreement and eval-run's figures for every draft, target and drafts in ``dtype``."""
+    target, tokenizer = load_target(cfg, torch.device("cpu"), dtype)
+    eos = eos_token_ids(target, tokenizer)
+    heldout = [encode_chat(tokenizer, p.turns[0]) for p in read_prompts(PROMPTS)[: args.heldout]]
+    batch = answers_batch(target, tokenizer, heldout, args.max_new_tokens, eos)
+    settings = MeasureSettings(
+        read_prompts(PROMPTS)[: args.prompts],
+        max_new_tokens=args.max_new_tokens,
+        eos_ids=eos,
+        repeats=args.repeats,
+        progress=False,
+    )
+    baseline = measure_baseline(target, tokenizer, settings)
+    trees = tuple(TreeShape.parse(t) for t in args.trees)
+    result = {}
+    for name, folder in folders.items():
+        draft = decoding_draft(folder, target, eos)
+        agreement = greedy_agreement(draft, target, batch, args.positions)
+        measured = measure_draft(target, draft, tokenizer, settings, args.gammas, trees=trees, baseline=baseline)
+        result[name] = {"greedy_alpha_per_position": agreement, **figures(measured)}
+        print(row(name, result[name]))
+    return result
+
+
+def figures(measured: dict) -> dict:
+    """What the table shows of eval-run's measurement: the chain at its best gamma and the best tree."""
+    keys = ("acceptance_rate", "mean_accepted_tokens", "cost_ratio_c", "verify_ratio_v", "speedup", "predicted_speedup")
+    trees = measured.get("trees", {})
+    fastest = max(trees, key=lambda shape: trees[shape]["speedup"]) if trees else None
+    return {
+        "best_gamma": measured["best_gamma"],
+        **{k: measured[k] for k in keys},
+        "greedy_match": measured["greedy_match"],
+        "best_tree": fastest,
+        "tree": {k: trees[fastest][k] for k in (*keys, "greedy_match")} if fastest else None,
+    }
+
+
+def row(name: str, r: dict) -> str:
+    """One Markdown table row: the chain at its best gamma, then the fastest tree (- for a figure not measured)."""
+
+    def fig(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    alphas = " / ".join(fig(a, ".2f") for a in r["greedy_alpha_per_position"])
+    chain = (
+        f"{r['best_gamma']} | {fig(r['acceptance_rate'], '.3f')} | {fig(r['mean_accepted_tokens'], '.2f')} | "
+        f"{fig(r['cost_ratio_c'], '.3f')} | {fig(r['verify_ratio_v'], '.2f')} | "
+        f"{fig(r['speedup'], '.2f')}x ({fig(r['predicted_speedup'], '.2f')}x)"
+    )
+    tree = r["tree"]
+    best = f"{r['best_tree']}: {fig(tree['speedup'], '.2f')}x, tau {fig(tree['mean_accepted_tokens'], '.2f')}"
+    return f"| {name} | {alphas} | {chain} | {best if tree else '-'} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=20.0, help="training minutes per kind")
+    parser.add_argument("--out", type=Path, default=Path("runs/drafter_kinds"))
+    parser.add_argument("--gammas", type=lambda s: [int(g) for g in s.split(",")], default=[1, 2, 3, 4])
+    parser.add_argument("--trees", nargs="*", default=["2,1", "2,2,1", "3,2,1:4"])
+    parser.add_argument("--positions", type=int, default=3, help="draft positions of the per-position alpha")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--heldout", type=int, default=8, help="prompts of the teacher-forced per-position alpha")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="the tiny target, a few seconds of training each")
+    args = parser.parse_args()
+    kinds = SMOKE if args.smoke else KINDS
+    if args.smoke:
+        args.minutes, args.prompts, args.heldout, args.max_new_tokens, args.repeats = 0.1, 2, 2, 16, 1
+        args.gammas, args.trees = [1, 2], ["2,1"]
+    if args.out.exists():
+        parser.error(f"{args.out} exists (an earlier run's drafts): remove it, or pass another --out")
+    trained, folders = {}, {}
+    for name, (config, overrides) in kinds.items():
+        out = args.out / name.split(" (")[0].replace(" ", "-")
+        cfg = load_config(DistillConfig, str(CONFIGS / config), [*overrides, f"output_dir={out}"])
+        print(f"training {name} for {args.minutes} minutes ({config} {' '.join(overrides)})")
+        trained[name] = train_for(cfg, args.minutes)
+        folders[name] = checkpoint.checkpoint_dirs(out)[-1][1]
+        print(f"  {trained[name]}")
+    dtypes = {"float32": torch.float32} | ({"bfloat16": torch.bfloat16} if cpu_has_native_bfloat16() else {})
+    measured = {}
+    header = (
+        "| draft | greedy alpha per position | best gamma | alpha | tau | c | v | speedup (predicted) | best tree |"
+    )
+    for label, dtype in dtypes.items():
+        print(f"\n{label}\n{header}\n|---|---|---|---|---|---|---|---|---|")
+        measured[label] = measure_dtype(cfg, folders, dtype, args)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    save(
+        "drafter_kinds_smoke" if args.smoke else "drafter_kinds", {"settings": settings, "trained": trained, **measured}
+    )
+
+
+if __name__ == "__main__":
+    main()
