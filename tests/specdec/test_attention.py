@@ -9,13 +9,13 @@ On a CPU that emulates bfloat16 the decoder runs 16-bit forwards on one thread
 import pytest
 import torch
 
+from draftsmith.distill.drafts.early_exit import EarlyExitDraft
 from draftsmith.specdec.attention import EXACT, use_exact_attention
 from draftsmith.specdec.cache import make_cache
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.stream import ModelStream, decoding_threads
 from draftsmith.specdec.tree import TreeShape
-from draftsmith.distill.drafts.early_exit import EarlyExitDraft
 from tests.helpers import noisy_copy, tiny_llama
 
 

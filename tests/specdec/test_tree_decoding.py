@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 
+from draftsmith.distill.drafts.early_exit import EarlyExitDraft
 from draftsmith.specdec import tree_drafting
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.drafters import LMDrafter
@@ -20,7 +21,6 @@ from draftsmith.specdec.sampling import SamplingParams, choose_token
 from draftsmith.specdec.stream import ModelStream
 from draftsmith.specdec.tree import TreeShape, accept_tree_sampled
 from draftsmith.specdec.verify import TargetVerifier
-from draftsmith.distill.drafts.early_exit import EarlyExitDraft
 from tests.helpers import fit_scores, noisy_copy, target_conditionals, tiny_llama
 
 PROMPTS = ([0, 5, 9], [0, 3, 3, 7, 2, 11, 4, 8], [0, 17] * 9)
