@@ -531,8 +531,9 @@ GAMMA = 3
 
 def memorized_head(model, prompts: list[list[int]], answers: list[list[int]], steps: int = 150) -> EagleHead:
     """A head for ``model`` trained on its own greedy ``answers`` to ``prompts`` until it drafts them
-    (training-time test, forward KL; its vocabulary the answers' tokens): a head that is accepted
-    often, whose features must reach it from the right layers at the right positions."""
+    (training-time test, forward KL; its vocabulary the answers' tokens). Its token embedding is all
+    zeros, so it drafts from the target's features alone: accepted often only when they reach it from
+    the right layers at the right positions."""
     sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
     ids = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.long)
     attention, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
@@ -543,6 +544,9 @@ def memorized_head(model, prompts: list[list[int]], answers: list[list[int]], st
     vocab = torch.tensor(sorted({token for answer in answers for token in answer}))
     torch.manual_seed(0)
     head = KIND.build(DraftSettings(kind="eagle3", train_draft_vocab=len(vocab)), model, None, model.device)
+    with torch.no_grad():
+        head.embed_tokens.weight.zero_()
+    head.own_embeddings = True  # saved with the head, so vLLM keeps it instead of sharing the target's
     rows = vocab_cut.loss_rows(loss_mask)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
@@ -620,9 +624,14 @@ def test_vllm_serves_the_published_head_exactly_and_accepts_its_drafts(eagle_ser
     assert [a.token_ids for a in answers] == reference
     assert grown.drafts > 0 and grown.draft_tokens == GAMMA * grown.drafts
     assert grown.accepted > 0
-    # The same head in the bundled decoder: vLLM feeds it the same features, so it accepts as much
-    # (float32 on both sides; a near-tie could still flip one draft).
+    # The head drafts the answers it learned from the target's features alone (its token embedding is
+    # zero), in vLLM as in the bundled decoder, only if they come from the right layers at the right
+    # positions and its ids through d2t.
     options = DecodeOptions(gamma=GAMMA)
     bundled = [speculative_generate(model, head, [p], MAX_TOKENS, options, eos_ids=eos)[1] for p in prompts]
     ours = sum(stats.accepted for stats in bundled)
-    assert abs(grown.accepted - ours) <= 2, (grown.accepted, ours)
+    assert grown.accepted >= 0.7 * grown.draft_tokens and ours >= 0.7 * sum(stats.proposed for stats in bundled)
+    # The same rounds; vLLM always drafts gamma tokens, the bundled decoder fewer in a round that may
+    # emit fewer, so vLLM accepts up to gamma more per answer.
+    assert grown.drafts == sum(stats.rounds for stats in bundled)
+    assert ours <= grown.accepted <= ours + GAMMA * len(prompts)
