@@ -227,16 +227,13 @@ def main() -> None:
         print(f"  {trained[name]}")
     dtypes = {"float32": torch.float32} | ({"bfloat16": torch.bfloat16} if cpu_has_native_bfloat16() else {})
     measured = {}
-    header = (
-        "| draft | greedy alpha per position | best gamma | alpha | tau | c | v | speedup (predicted) | best tree |"
-    )
+    header = "| draft | greedy alpha per position | gamma | alpha | tau | c | v | speedup (predicted) | fastest tree |"
     for label, dtype in dtypes.items():
         print(f"\n{label}\n{header}\n|---|---|---|---|---|---|---|---|---|")
         measured[label] = measure_dtype(cfg, folders, dtype, args)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    save(
-        "drafter_kinds_smoke" if args.smoke else "drafter_kinds", {"settings": settings, "trained": trained, **measured}
-    )
+    name = "drafter_kinds_smoke" if args.smoke else "drafter_kinds"
+    save(name, {"settings": settings, "trained": trained, **measured})
 
 
 if __name__ == "__main__":
