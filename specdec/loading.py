@@ -309,7 +309,11 @@ def load_model(
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
-    source = resolve_model(spec)
+    """The tokenizer of a model spec (as ``resolve_model`` takes), or of a folder that holds only a
+    tokenizer beside weights of its own format (a draft kind's checkpoint)."""
+    folder = Path(spec).expanduser()
+    has_tokenizer = folder.is_dir() and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    source = str(folder) if has_tokenizer else resolve_model(spec)
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:

@@ -95,6 +95,7 @@ def publish(
     measured = measured_settings(run_dir, ckpt)
     serving = Serving(gamma=measured["gamma"], tree=measured_tree(run_dir, ckpt))
     with atomic_path(out) as tmp:
+        tmp.mkdir()
         kind.export(draft, tokenizer, tmp, serving)
         if measured["draft_vocab"]:
             # The head cut the measurement used: eval on the published folder drafts with it too.

@@ -147,7 +147,7 @@ def test_shipped_config_by_name_from_another_folder(tmp_path, monkeypatch, capsy
     assert "unknown config key 'nonsense_key'" in capsys.readouterr().err
     assert main(["distill", "--config", "tinny"]) == 2
     err = capsys.readouterr().err
-    assert "config not found: tinny" in err and "smollm2-135m, smollm2-135m-early-exit, tiny" in err
+    assert "config not found: tinny" in err and "smollm2-135m, smollm2-135m-eagle3, smollm2-135m-early-exit, smollm2-135m-parallel, tiny" in err
 
 
 def test_dataset_without_usable_rows(tmp_path, capsys):
@@ -213,9 +213,9 @@ def test_teacher_cache_matches_live_teacher_with_full_top_k(tmp_path):
         tiny_cfg(tmp_path / "k8", max_steps=4, save_steps=4, log_steps=2, teacher_cache="true", teacher_top_k=8)
     ).run_dir
     metas = [json.loads(p.read_text()) for p in Path(os.environ["DRAFTSMITH_HOME"]).glob("teacher-cache/*/meta.json")]
-    meta = next(m for m in metas if m["top_k"] == 8)
+    meta = next(m for m in metas if m["top_k"] == 8 and m["examples"] == 56)  # other tests cache other data
     # The cache covers the dataset's 56 examples, training (48) and held-out (8) alike.
-    assert meta["bytes_per_token"] == 48 and meta["tokens"] > 0 and meta["examples"] == 56
+    assert meta["bytes_per_token"] == 48 and meta["tokens"] > 0
     # Only the top 8 of 103 tokens are kept, so the teacher is approximate: its losses differ from the
     # live teacher's, yet the draft still learns the target (alpha measured against the live target:
     # 0.634 -> 0.702 with the cache, 0.721 with the live teacher).

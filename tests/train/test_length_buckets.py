@@ -42,7 +42,7 @@ def test_bucketed_batches_depend_on_seed_and_epoch_only_and_pad_less():
 
 
 def tiny_cfg(folder: Path, **overrides) -> DistillConfig:
-    items = [f"output_dir={folder}", "bucket_batches=3"] + [f"{k}={v}" for k, v in overrides.items()]
+    items = [f"{k}={v}" for k, v in {"output_dir": folder, "bucket_batches": 3, **overrides}.items()]
     return load_config(DistillConfig, config_path("tiny"), items)
 
 
