@@ -1,12 +1,13 @@
-"""Drafter kinds side by side on the default target: the 2-layer truncated LM, the early-exit draft and
-the EAGLE-3 head, each trained the same wall-clock minutes on the same shipped data, then measured on
-held-out prompts.
+"""Drafter kinds side by side on the default target: the 2-layer truncated LM, the early-exit draft,
+the EAGLE-3 head and the parallel (PARD) draft, each trained the same wall-clock minutes on the same
+shipped data, then measured on held-out prompts.
 
 Training: each kind's shipped config (``configs/smollm2-135m.yaml``, ``smollm2-135m-early-exit.yaml``,
-``smollm2-135m-eagle3.yaml``) on ``dataset: smollm2-self``, stepped until ``--minutes`` of training
-steps have passed or its ``max_steps`` are done (set-up, held-out evaluations and checkpoint writing
-not counted), then its held-out alpha logged and its draft saved. The machine's load is recorded
-before and after each run: on a shared machine the same minutes buy fewer steps when it is busy.
+``smollm2-135m-eagle3.yaml``, ``smollm2-135m-parallel.yaml``) on ``dataset: smollm2-self``, stepped
+until ``--minutes`` of training steps have passed or its ``max_steps`` are done (set-up, held-out
+evaluations and checkpoint writing not counted), then its held-out alpha logged and its draft
+saved. The machine's load is recorded before and after each run: on a shared machine the same
+minutes buy fewer steps when it is busy.
 
 Measured per draft, greedy, batch 1, on prompts never trained on (``distill/data/eval_prompts.jsonl``):
 
@@ -14,12 +15,17 @@ Measured per draft, greedy, batch 1, on prompts never trained on (``distill/data
   the share of answer positions where draft token j+1 (drafted after j right ones) is the target's
   argmax. A standalone LM or an early-exit draft drafts every position from the true prefix, so its
   figure is the same at every j; the EAGLE-3 head's step j reads its own features of step j-1
-  (its training forward, unrolled ``--positions`` steps);
+  (its training forward, unrolled ``--positions`` steps); the parallel draft's step j is its mask
+  position j, read in the same forward as step 0 (its chains of masks, as it trains);
 - eval-run's measurement (``train.speedup.measure_draft``): tau, alpha, c, v, the measured and
   predicted speedup at the best gamma of ``--gammas``, and the best token tree of ``--trees``;
 - in float32, and in bfloat16 where the CPU multiplies it natively (the machine's flags are saved).
 
-Run (3 x MINUTES of training, then about 20 minutes of measuring per dtype on 2 cores):
+Each kind's folder under ``--out`` keeps its saved draft and ``trained.json`` (steps, seconds):
+``benchmarks/parallel_drafting.py --drafts OUT`` measures the truncated LM and the parallel draft
+trained here instead of training its own.
+
+Run (4 x MINUTES of training, then about 20 minutes of measuring per dtype on 2 cores):
     .venv/bin/python benchmarks/drafter_kinds.py --minutes 20
 Smoke test on the tiny target (a few minutes):
     .venv/bin/python benchmarks/drafter_kinds.py --smoke
@@ -28,6 +34,7 @@ Smoke test on the tiny target (a few minutes):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -39,6 +46,7 @@ from draftsmith.distill.drafts import kind_of_folder, load_draft
 from draftsmith.distill.drafts.eagle3 import KIND as EAGLE3
 from draftsmith.distill.drafts.eagle3 import EagleHead, unroll
 from draftsmith.distill.drafts.kind import Batch
+from draftsmith.distill.drafts.parallel import ParallelDraft, chain_predictions, cod_depths
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
@@ -58,12 +66,17 @@ KINDS = {  # name -> (config, overrides): every kind on the same shipped data
     "truncated LM (2 layers)": ("smollm2-135m.yaml", ["dataset=smollm2-self"]),
     "early exit (4 layers + exit head)": ("smollm2-135m-early-exit.yaml", ["dataset=smollm2-self"]),
     "EAGLE-3 head": ("smollm2-135m-eagle3.yaml", ["dataset=smollm2-self"]),
+    "parallel draft (2 layers, 6 masks)": ("smollm2-135m-parallel.yaml", ["dataset=smollm2-self"]),
 }
 # --smoke: configs/tiny.yaml as each kind
 SMOKE = {
     "truncated LM (1 layer)": ("tiny.yaml", []),
     "early exit (2 layers + exit head)": ("tiny.yaml", ["draft_kind=early_exit", "draft_layers=2"]),
     "EAGLE-3 head": ("tiny.yaml", ["draft_kind=eagle3", "train_draft_vocab=30"]),
+    "parallel draft (1 layer, 4 masks)": (
+        "tiny.yaml",
+        ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}"],
+    ),
 }
 
 
@@ -90,7 +103,7 @@ def train_for(cfg: DistillConfig, minutes: float) -> dict:
     save_checkpoint(run)
     return {
         "steps": run.step,
-        "train_seconds": spent,
+        "train_s": spent,
         "heldout_alpha": run.last_metrics["acceptance_rate"],
         "load_average": [load_before, os.getloadavg()[0]],
     }
@@ -117,6 +130,8 @@ def greedy_agreement(draft, target, batch: dict, positions: int) -> list[float]:
     out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
     rows = batch["loss_mask"].flatten().nonzero()[:, 0]
     best = out.logits.flatten(0, 1)[rows].argmax(-1)  # (M,) the target's token at each row
+    if isinstance(draft, ParallelDraft):
+        return parallel_agreement(draft, batch, rows, best, positions)
     if not isinstance(draft, EagleHead):
         logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return [float((logits.flatten(0, 1)[rows].argmax(-1) == best).float().mean())] * positions
@@ -131,6 +146,19 @@ def greedy_agreement(draft, target, batch: dict, positions: int) -> list[float]:
     sizes = [len(anchors) for anchors in unroll(rows, batch["input_ids"].shape[1], positions).anchors]
     step = torch.cat([torch.full((n,), j) for j, n in enumerate(sizes)])
     agree = (drafted == best[predicted.teacher_rows]).float()
+    return [float(agree[step == j].mean()) for j in range(positions)]
+
+
+def parallel_agreement(draft: ParallelDraft, batch: dict, rows, best, positions: int) -> list[float]:
+    """Per mask position j, the share of answer rows where the parallel draft's token there (every
+    chain of masks that fits, none dropped) is the target's argmax given the true prefix."""
+    ids = None if draft.head_ids is None else torch.tensor(draft.head_ids)
+    depth, _ = cod_depths(batch["loss_mask"], positions, 1.0, 1.0)
+    plain = Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], rows, ids)
+    logits, chains, teacher_rows = chain_predictions(draft, draft, plain, depth, draft.mask_token_id)
+    drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
+    step = torch.cat([torch.zeros_like(rows), chains.step])
+    agree = (drafted == best[teacher_rows]).float()
     return [float(agree[step == j].mean()) for j in range(positions)]
 
 
@@ -224,6 +252,7 @@ def main() -> None:
         print(f"training {name} for {args.minutes} minutes ({config} {' '.join(overrides)})")
         trained[name] = train_for(cfg, args.minutes)
         folders[name] = checkpoint.checkpoint_dirs(out)[-1][1]
+        (out / "trained.json").write_text(json.dumps(trained[name]))
         print(f"  {trained[name]}")
     dtypes = {"float32": torch.float32} | ({"bfloat16": torch.bfloat16} if cpu_has_native_bfloat16() else {})
     measured = {}

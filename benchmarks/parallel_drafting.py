@@ -15,6 +15,10 @@ each run trains until ``--minutes`` have passed, then saves its draft. Then, for
   a_i (``forwards``: 1 per round for the parallel draft, gamma for the ordinary one);
 - in float32, and in bfloat16 where the CPU has it natively.
 
+With ``--drafts DIR`` nothing is trained here: the truncated LM and the parallel draft that
+``benchmarks/drafter_kinds.py --out DIR`` trained (the same two configs, the same minutes each, its
+kinds' shipped ``max_steps``) are measured.
+
 Run (2 x MINUTES of training, then about 30 minutes of measuring on 2 cores):
     .venv/bin/python benchmarks/parallel_drafting.py --minutes 30
 Smoke test on the tiny target (a minute):
@@ -45,6 +49,7 @@ from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 from draftsmith.specdec.stream import ModelStream
+from draftsmith.train import checkpoint
 from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.loop import save as save_checkpoint
 from draftsmith.train.loop import setup, train_step
@@ -228,6 +233,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16" if cpu_has_native_bfloat16() else "float32")
     parser.add_argument("--smoke", action="store_true", help="the tiny target, seconds of training, few prompts")
+    parser.add_argument("--drafts", type=Path, help="measure the drafts benchmarks/drafter_kinds.py trained there")
     args = parser.parse_args()
     overrides = ["max_steps=1000000", "save_steps=1000000", "log_steps=1000000", "keep_last=1"]
     config, parallel = CONFIGS / "smollm2-135m-parallel.yaml", []
@@ -239,7 +245,14 @@ def main() -> None:
     args.gammas = [int(g) for g in args.gammas.split(",")]
     out = Path(args.out) / ("smoke" if args.smoke else "default")
     folders, trained = {}, {}
-    for name, kind in (("ordinary", ORDINARY), ("parallel", parallel)):
+    if args.drafts is not None:
+        out = args.drafts
+        for name, folder in (("ordinary", "truncated-LM"), ("parallel", "parallel-draft")):
+            if not (out / folder / "trained.json").is_file():
+                parser.error(f"{out / folder / 'trained.json'} not found: train with benchmarks/drafter_kinds.py first")
+            trained[name] = {"from": str(out / folder), **json.loads((out / folder / "trained.json").read_text())}
+            folders[name] = checkpoint.checkpoint_dirs(out / folder)[-1][1]
+    for name, kind in () if args.drafts else (("ordinary", ORDINARY), ("parallel", parallel)):
         cfg = load_config(DistillConfig, str(config), [*overrides, *kind, f"output_dir={out / name}"])
         record = out / name / "trained.json"
         if not record.is_file():  # a later call measures the same drafts again
@@ -249,7 +262,8 @@ def main() -> None:
         folders[name] = out / name / f"checkpoint-{trained[name]['steps']}"
         print(f"{name}: {trained[name]['steps']} steps in {trained[name]['train_s'] / 60:.1f} min")
     parallel_cfg = load_config(DistillConfig, str(config), [*overrides, *parallel, f"output_dir={out / 'parallel'}"])
-    result = {"trained": trained, "minutes": args.minutes, "smoke": args.smoke, "dtypes": {}}
+    minutes = trained["parallel"]["train_s"] / 60 if args.drafts else args.minutes
+    result = {"trained": trained, "minutes": minutes, "smoke": args.smoke, "dtypes": {}}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         result["dtypes"][name] = measure_dtype(parallel_cfg, folders, dtype, args)

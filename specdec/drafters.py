@@ -105,6 +105,13 @@ class PairedDraft(Protocol):
     def decodes_compiled(self, target: PreTrainedModel, options: DecodeOptions) -> bool: ...
 
 
+def round_forwards(draft: torch.nn.Module, gamma: int) -> int:
+    """The draft forwards a chain round of ``gamma`` proposals costs: one per proposal, unless the
+    draft says otherwise (a draft that proposes several tokens per forward defines ``round_forwards``)."""
+    own = getattr(draft, "round_forwards", None)
+    return gamma if own is None else own(gamma)
+
+
 def draft_step(
     logits: torch.Tensor, options: DecodeOptions, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

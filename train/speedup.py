@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from draftsmith.specdec.drafters import round_forwards
 from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.measure.baseline import Baseline
 from draftsmith.specdec.measure.pair import evaluate_pair
@@ -77,7 +78,7 @@ def measure_draft(
     alpha = alpha_from_tau(first["mean_accepted_tokens"] or 1.0, base)
     c = first["cost_ratio_c"] if cost_ratio is None else cost_ratio
     v = first["verify_ratio_v"]
-    predicted = {g: predicted_speedup(alpha, g, c, 1 + (v - 1) * g / base) for g in gammas}
+    predicted = {g: predicted_speedup(alpha, g, c, 1 + (v - 1) * g / base, round_forwards(draft, g)) for g in gammas}
     best_gamma = max(predicted, key=predicted.get)
     confirmed = first if best_gamma == base else run(gamma=best_gamma)
     measured_alpha = confirmed["acceptance_rate"]
@@ -88,7 +89,9 @@ def measure_draft(
         "cost_ratio_c": c,
         "predicted_speedup": None
         if measured_alpha is None
-        else predicted_speedup(measured_alpha, best_gamma, c, confirmed["verify_ratio_v"]),
+        else predicted_speedup(
+            measured_alpha, best_gamma, c, confirmed["verify_ratio_v"], round_forwards(draft, best_gamma)
+        ),
         "measured_cost_ratio": {k: first[k] for k in ("cost_ratio_c", "cost_ratio_c_spread")},
         "alpha_per_position": alpha,  # estimated from tau at the base gamma
         "base_gamma": base,

@@ -165,6 +165,10 @@ class ParallelDraft(nn.Module):
         stream = make_stream(model, batch_size, capacity + masks, cache_kind, role="draft", compiled=compiled)
         return verifier, ParallelDrafter(stream, self.mask_token_id)
 
+    def round_forwards(self, gamma: int) -> int:
+        """One draft forward drafts a whole round, whatever its gamma (``specdec.drafters.round_forwards``)."""
+        return 1
+
     def decoding_model(self) -> nn.Module:
         """The causal LM the drafter runs: the LM, or the LM with its head cut to ``head_ids``."""
         return self.lm if self.head_ids is None else draft_vocab.SubsetHeadDraft(self.lm, self.head_ids)

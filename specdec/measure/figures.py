@@ -15,15 +15,16 @@ from draftsmith.specdec.measure.tally import Tally
 from draftsmith.specdec.measure.theory import predicted_speedup, predicted_tree_speedup
 
 
-def pair_metrics(target: Tally, spec: Tally, gamma: int, tree: bool = False) -> dict:
-    """alpha, tau, c, v and both speedups from the stats of one set of runs (``tree``: token-tree rounds)."""
+def pair_metrics(target: Tally, spec: Tally, gamma: int, tree: bool = False, forwards: int | None = None) -> dict:
+    """alpha, tau, c, v and both speedups from the stats of one set of runs (``tree``: token-tree rounds;
+    ``forwards``: the draft forwards of a chain round, default gamma, ``drafters.round_forwards``)."""
     base, sp = sum_stats(target.stats), sum_stats(spec.stats)
     alpha = sp.acceptance_rate
     c, v = step_costs(base, sp, calls=len(spec.stats))
     if tree:
         predicted = predicted_tree_speedup(sp, c, v, calls=len(spec.stats))
     else:
-        predicted = predicted_speedup(alpha, gamma, c, v) if alpha is not None else None
+        predicted = predicted_speedup(alpha, gamma, c, v, forwards) if alpha is not None else None
     speedup = spec.tokens_per_s / target.tokens_per_s if target.tokens_per_s else None
     return {
         "acceptance_rate": alpha,
@@ -54,10 +55,11 @@ def report_from_repeats(
     greedy_matches: list[bool],
     gamma: int,
     tree: bool = False,
+    forwards: int | None = None,
 ) -> dict:
     """The overall figures (alpha, c, v, ... of the median repeat; speedup from the median tokens/s
     of each decoder), greedy identity, and the figures per category."""
-    per_repeat = [pair_metrics(t["target"], t["spec"], gamma, tree) for t in repeat_tallies]
+    per_repeat = [pair_metrics(t["target"], t["spec"], gamma, tree, forwards) for t in repeat_tallies]
     median_rep = sorted(range(len(per_repeat)), key=lambda i: per_repeat[i]["speedup"])[len(per_repeat) // 2]
     report = dict(per_repeat[median_rep])
     target_tps = statistics.median(r["target_tokens_per_s"] for r in per_repeat)
@@ -74,7 +76,7 @@ def report_from_repeats(
         report["efficiency"] = report["speedup"] / report["predicted_speedup"]
     report["greedy_match"] = sum(greedy_matches) / len(greedy_matches) if greedy_matches else None
     report["per_category"] = {
-        cat: pair_metrics(t["target"], t["spec"], gamma, tree) for cat, t in sorted(per_cat.items())
+        cat: pair_metrics(t["target"], t["spec"], gamma, tree, forwards) for cat, t in sorted(per_cat.items())
     }
     if hf is not None:
         report.update(hf.report(gamma))

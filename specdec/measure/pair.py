@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.compiled import compiled_graphs
 from draftsmith.specdec.decoder import decodes_compiled
+from draftsmith.specdec.drafters import round_forwards
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.measure.baseline import Baseline, usable_baseline
 from draftsmith.specdec.measure.figures import report_from_repeats
@@ -82,9 +83,9 @@ def evaluate_pair(
     repeat_tallies, per_cat = run_repeats(
         pair, compare_hf, greedy_matches, baseline=shared.repeats if shared is not None else None
     )
-    report = report_from_repeats(
-        repeat_tallies, per_cat, compare_hf, greedy_matches, options.gamma, tree=options.tree is not None
-    )
+    tree = options.tree is not None
+    forwards = round_forwards(draft, options.gamma)
+    report = report_from_repeats(repeat_tallies, per_cat, compare_hf, greedy_matches, options.gamma, tree, forwards)
     report.update(settings_report(settings), baseline_shared=shared is not None, **compiled_report)
     return report
 

@@ -12,14 +12,16 @@ import math
 from draftsmith.specdec.decoder import DecodeStats
 
 
-def predicted_speedup(alpha: float, gamma: float, c: float, v: float = 1.0) -> float:
-    """Expected speedup ``(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + v))``.
+def predicted_speedup(alpha: float, gamma: float, c: float, v: float = 1.0, forwards: float | None = None) -> float:
+    """Expected speedup ``(1 - alpha^(gamma+1)) / ((1 - alpha) (forwards c + v))``.
 
-    Leviathan et al. 2023, Theorem 3.8 (there ``v = 1``); ``v`` is the cost of the verification
-    forward over gamma+1 tokens in single-token steps. At ``alpha = 1`` the limit is ``(gamma+1) / (gamma c + v)``.
+    Leviathan et al. 2023, Theorem 3.8 (there ``v = 1`` and ``forwards = gamma``); ``v`` is the cost
+    of the verification forward over gamma+1 tokens in single-token steps, ``forwards`` the draft
+    forwards a round of gamma tokens takes (default gamma: one per token; a parallel draft takes one).
+    At ``alpha = 1`` the limit is ``(gamma+1) / (forwards c + v)``.
     """
     expected_tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return expected_tokens / (gamma * c + v)
+    return expected_tokens / ((gamma if forwards is None else forwards) * c + v)
 
 
 def predicted_tree_speedup(spec: DecodeStats, c: float, v: float, calls: int) -> float | None:

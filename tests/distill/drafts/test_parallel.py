@@ -34,8 +34,10 @@ from draftsmith.specdec import draft_vocab, verify
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.theory import predicted_speedup
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.prompts import encode_chat, read_prompts
+from draftsmith.specdec.prompts import Prompt, encode_chat, read_prompts
 from draftsmith.specdec.sampling import SamplingParams, accept_sampled
 from draftsmith.specdec.stream import left_pad
 from draftsmith.specdec.tree import TreeShape
@@ -43,6 +45,7 @@ from draftsmith.specdec.vllm_client import complete_batch, read_spec_counters
 from draftsmith.specdec.vllm_server import ServeOptions, serve
 from draftsmith.train.config import load_run_config
 from draftsmith.train.models import load_target
+from draftsmith.train.speedup import measure_draft
 from tests.helpers import (
     assert_fits,
     fit_scores,
@@ -573,3 +576,20 @@ def test_an_untrained_parallel_draft_is_named_on_the_command_line(target):
     assert KIND.from_spec("truncate:1", target) is None
     with pytest.raises(DraftsmithError, match="parallel:LAYERS:MASK_ID"):
         KIND.from_spec("parallel:2", target)
+
+
+def test_eval_run_charges_a_parallel_round_one_draft_forward(target, draft):
+    # The predicted speedup of a round of gamma tokens costs one draft step of c, not gamma of them,
+    # and so does the gamma measure_draft picks by it.
+    prompts = [Prompt(str(i), "writing", [[{"role": "user", "content": f"w{3 + i} w{9 + i}"}]]) for i in range(2)]
+    settings = MeasureSettings(prompts, max_new_tokens=16, repeats=1, progress=False)
+    report = measure_draft(target, draft, tiny_tokenizer(V), settings, [1, 3])
+    gamma, c, v = report["best_gamma"], report["cost_ratio_c"], report["verify_ratio_v"]
+    one = predicted_speedup(report["acceptance_rate"], gamma, c, v, forwards=1)
+    assert report["predicted_speedup"] == pytest.approx(one)
+    if gamma > 1:
+        assert one > predicted_speedup(report["acceptance_rate"], gamma, c, v)
+    at_base = report["at_base_gamma"]  # gamma 3: one draft forward per round of 3 proposals
+    assert at_base["predicted_speedup"] == pytest.approx(
+        predicted_speedup(at_base["acceptance_rate"], 3, at_base["cost_ratio_c"], at_base["verify_ratio_v"], 1)
+    )
