@@ -19,6 +19,7 @@ from pathlib import Path
 from draftsmith.distill.drafts import kind_of_folder, kind_of_model
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import replace, write_text
+from draftsmith.specdec.loading import same_model
 from draftsmith.train.config import DistillConfig
 
 MARKER = "draftsmith.json"
@@ -146,9 +147,20 @@ TRAINING_KEYS = (
 RESUME_LOG = "resume_log.jsonl"  # one record per forced resume: the step and the settings changed
 
 
+MODEL_KEYS = ("target", "draft_model", "dataset")  # model or data specs: a path and a link to it are the same
+
+
 def changed_settings(saved: dict, current: dict, keys: tuple[str, ...]) -> dict[str, list]:
-    """{key: [saved value, current value]} for the ``keys`` that differ."""
-    return {k: [saved.get(k), current[k]] for k in keys if saved.get(k) != current[k]}
+    """{key: [saved value, current value]} for the ``keys`` that differ (a model or data path and
+    another path to the same folder do not: ``loading.same_model``)."""
+
+    def differs(key: str) -> bool:
+        old, new = saved.get(key), current[key]
+        if key in MODEL_KEYS and isinstance(old, str) and isinstance(new, str):
+            return not same_model(old, new)
+        return old != new
+
+    return {k: [saved.get(k), current[k]] for k in keys if differs(k)}
 
 
 def describe_changes(changes: dict[str, list]) -> str:

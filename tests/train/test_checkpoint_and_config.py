@@ -75,3 +75,17 @@ def test_training_prompt_rows_use_the_evaluation_parser():
     ]
     with pytest.raises(DraftsmithError, match=r"rows.jsonl, row 1: the object has none of the keys 'prompt'"):
         encode_prompt_rows([{"prompt": "ok"}, {"text": "plain"}], tokenizer, "rows.jsonl")
+
+
+def test_a_target_given_by_another_path_to_the_same_folder_is_no_change(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    saved = {"target": str(tmp_path / "model"), "seed": 1}
+    same = {"target": str(tmp_path / "link"), "seed": 1}
+    assert checkpoint.changed_settings(saved, same, ("target", "seed")) == {}
+    moved = {"target": str(tmp_path / "other"), "seed": 2}
+    assert checkpoint.changed_settings(saved, moved, ("target", "seed")) == {
+        "target": [str(tmp_path / "model"), str(tmp_path / "other")],
+        "seed": [1, 2],
+    }
