@@ -52,10 +52,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.distill.data import target_examples
-from draftsmith.distill.engines import GenerationEngine
+from draftsmith.distill.engines import Writer
 from draftsmith.distill.prompt_filters import Deduplicator, PromptFilter
 from draftsmith.distill.prompt_sources import PromptRecord
 from draftsmith.distill.self_prompts import (
+    RoundPlan,
     RoundResult,
     SelfPromptSettings,
     derived_seed,
@@ -458,9 +459,7 @@ def next_round(folder: Path) -> int:
 
 def self_prompts(
     folder: Path,
-    engine: GenerationEngine,
-    tokenizer: PreTrainedTokenizerBase,
-    eos_ids: frozenset[int],
+    writer: Writer,
     request: SelfPromptRequest,
     seed: int,
     group: ProcessGroup,
@@ -490,18 +489,9 @@ def self_prompts(
         mine = {topic: n // group.count + (group.index < n % group.count) for topic, n in need.items()}
         number = next_round(folder)
         callback, close = token_bar(f"writing prompts, round {number}", progress and group.is_main)
+        round_plan = RoundPlan(mine, seed, tag=f"{number}-{group.index}", oversample=oversample)
         result = write_prompt_round(
-            engine,
-            tokenizer,
-            mine,
-            request.settings,
-            eos_ids,
-            dedup_of(records),
-            request.filters,
-            seed,
-            tag=f"{number}-{group.index}",
-            oversample=oversample,
-            on_progress=callback,
+            writer, round_plan, request.settings, request.filters, dedup_of(records), on_progress=callback
         )
         close()
         write_round(folder, number, group.index, result)
@@ -561,9 +551,7 @@ def answer_row(tokenizer, record: PromptRecord, sample: int, prompt_ids, answer_
 
 def answer_prompts(
     folder: Path,
-    engine: GenerationEngine,
-    tokenizer: PreTrainedTokenizerBase,
-    eos_ids: frozenset[int],
+    writer: Writer,
     prompts: list[PromptRecord],
     settings: BuildSettings,
     samples_per_prompt: int,
@@ -577,6 +565,7 @@ def answer_prompts(
     is drawn with a seed fixed by the run seed, the prompt id and ``s``, so a row does not depend on
     which process made it or on what shared its batch. Returns the rows this process wrote.
     """
+    engine, tokenizer, eos_ids = writer.engine, writer.tokenizer, writer.eos_ids
     sampling = SamplingParams(**settings.sampling)
     encoded, too_long = encode_prompts(tokenizer, prompts, settings.max_new_tokens, engine.context)
     if too_long and group.is_main:
@@ -644,9 +633,7 @@ def finish_dataset(folder: Path, manifest: dict, request: dict, seconds: float, 
 
 def build_dataset(
     folder: Path,
-    engine: GenerationEngine,
-    tokenizer: PreTrainedTokenizerBase,
-    eos_ids: frozenset[int],
+    writer: Writer,
     settings: BuildSettings,
     prompts: list[PromptRecord] | SelfPromptRequest,
     samples_per_prompt: int = 1,
@@ -658,9 +645,9 @@ def build_dataset(
 
     prompts: the prompts to answer, or a request for prompts the target writes itself (then written
     first, into ``folder/prompts``). ``settings.prompt_source`` must describe them, and
-    ``settings.engine`` name ``engine``.
+    ``settings.engine`` name ``writer.engine``.
     """
-    group = group or ProcessGroup()
+    group, engine = group or ProcessGroup(), writer.engine
     if settings.engine != engine.name:
         raise DraftsmithError(f"settings name engine {settings.engine!r} but {engine.name!r} generates; give the same")
     if samples_per_prompt < 1:
@@ -673,14 +660,12 @@ def build_dataset(
     manifest = open_dataset(folder, settings, group, engine.describe())
     if isinstance(prompts, SelfPromptRequest):
         request = {"num_prompts": prompts.count, "samples_per_prompt": samples_per_prompt}
-        prompts = self_prompts(folder, engine, tokenizer, eos_ids, prompts, settings.seed, group, progress)
+        prompts = self_prompts(folder, writer, prompts, settings.seed, group, progress)
     else:
         request = {"num_prompts": len(prompts), "samples_per_prompt": samples_per_prompt}
     answer_prompts(
         folder,
-        engine,
-        tokenizer,
-        eos_ids,
+        writer,
         prompts,
         settings,
         samples_per_prompt,

@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import ClassVar
 
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.continuous import Batching, Progress, stream_generate
 from draftsmith.specdec.errors import DraftsmithError
@@ -116,3 +116,13 @@ class VllmEngine:
 
 
 GenerationEngine = BundledEngine | VllmEngine
+
+
+@dataclass(frozen=True)
+class Writer:
+    """The target writing a dataset: the engine that generates, the tokenizer that encodes its prompts
+    and decodes its answers, and the ids that end an answer."""
+
+    engine: GenerationEngine
+    tokenizer: PreTrainedTokenizerBase
+    eos_ids: frozenset[int]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,49 +28,60 @@ def example_prompt(example: dict) -> list[int]:
     return example["input_ids"][: first + 1]
 
 
+@dataclass(frozen=True)
+class OnPolicySettings:
+    """What the mixer does.
+
+    fraction: the share of micro-batches replaced by draft answers (lambda).
+    refresh_steps: optimizer steps between two regenerations of the pool.
+    pool_size: draft answers in the pool, to as many training prompts.
+    max_new_tokens, sampling, eos_ids: how the draft answers.
+    seed: fixes which prompts, which micro-batches and which answers.
+    batch_size, max_length: a replacing micro-batch's sequences, and their longest.
+    """
+
+    fraction: float
+    refresh_steps: int
+    pool_size: int
+    max_new_tokens: int
+    sampling: SamplingParams
+    eos_ids: frozenset[int]
+    seed: int
+    batch_size: int
+    max_length: int
+
+
 class OnPolicyMixer:
-    def __init__(
-        self,
-        prompts: list[list[int]],
-        fraction: float,
-        refresh_steps: int,
-        pool_size: int,
-        max_new_tokens: int,
-        sampling: SamplingParams,
-        eos_ids: frozenset[int],
-        seed: int,
-        batch_size: int,
-        max_length: int,
-        pad_id: int,
-        process_index: int,
-    ):
-        self.prompts, self.fraction, self.refresh_steps = prompts, fraction, refresh_steps
-        self.pool_size, self.max_new_tokens, self.sampling = pool_size, max_new_tokens, sampling
-        self.eos_ids, self.seed, self.batch_size, self.max_length = eos_ids, seed, batch_size, max_length
+    """Draft answers to ``prompts`` mixed into training (``OnPolicySettings``); ``pad_id`` pads the
+    micro-batches it makes, ``process_index`` makes each process's choices its own."""
+
+    def __init__(self, prompts: list[list[int]], settings: OnPolicySettings, pad_id: int, process_index: int):
+        self.prompts, self.settings = prompts, settings
         self.pad_id, self.process_index = pad_id, process_index
         self.pool: list[dict] = []
 
     def due(self, step: int) -> bool:
-        return step % self.refresh_steps == 0
+        return step % self.settings.refresh_steps == 0
 
     @torch.no_grad()
     def refresh(self, draft: PreTrainedModel, step: int, progress: bool) -> None:
         """Regenerate the pool: the draft's answers to ``pool_size`` training prompts drawn for this step."""
-        rng = random.Random(f"{self.seed}-pool-{step}")
-        chosen = rng.sample(self.prompts, min(self.pool_size, len(self.prompts)))
+        s = self.settings
+        rng = random.Random(f"{s.seed}-pool-{step}")
+        chosen = rng.sample(self.prompts, min(s.pool_size, len(self.prompts)))
         was_training = draft.training
         draft.eval()
-        answering = Answering(self.max_new_tokens, self.sampling, self.eos_ids, batch_size=16, seed=self.seed + step)
+        answering = Answering(s.max_new_tokens, s.sampling, s.eos_ids, batch_size=16, seed=s.seed + step)
         answers = generate_responses(draft, chosen, answering, desc="draft answers", progress=progress)
         draft.train(was_training)
-        self.pool = target_examples(chosen, answers, self.max_length)
+        self.pool = target_examples(chosen, answers, s.max_length)
 
     def maybe_replace(self, batch: dict, step: int, micro: int, device: torch.device) -> dict:
         """With probability ``fraction``, a micro-batch of draft answers instead of ``batch``."""
-        rng = random.Random(f"{self.seed}-{step}-{micro}-{self.process_index}")
-        if not self.pool or rng.random() >= self.fraction:
+        rng = random.Random(f"{self.settings.seed}-{step}-{micro}-{self.process_index}")
+        if not self.pool or rng.random() >= self.settings.fraction:
             return batch
-        examples = [rng.choice(self.pool) for _ in range(self.batch_size)]
+        examples = [rng.choice(self.pool) for _ in range(self.settings.batch_size)]
         return {k: v.to(device) for k, v in collate(examples, self.pad_id).items()}
 
     def save(self, folder: Path) -> None:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from draftsmith.distill.engines import GenerationEngine
+from draftsmith.distill.engines import Writer
 from draftsmith.distill.prompt_filters import Deduplicator, PromptFilter, normalized
 from draftsmith.distill.prompt_sources import PromptRecord
 from draftsmith.specdec.continuous import Progress
@@ -122,39 +122,47 @@ class RoundResult:
     dropped: Counter  # reason -> count: a filter's name, "duplicate", or "surplus" (the topic's share was full)
 
 
+@dataclass(frozen=True)
+class RoundPlan:
+    """What one round writes: ``need[topic]`` prompts kept per topic, from ``ceil(need * oversample)``
+    candidates, each sampled with its own seed from ``seed`` and ``tag`` (which must differ between
+    rounds and processes)."""
+
+    need: dict[str, int]
+    seed: int
+    tag: str
+    oversample: float = 1.25
+
+
 def write_prompt_round(
-    engine: GenerationEngine,
-    tokenizer: PreTrainedTokenizerBase,
-    need: dict[str, int],
+    writer: Writer,
+    round_plan: RoundPlan,
     settings: SelfPromptSettings,
-    eos_ids: frozenset[int],
-    dedup: Deduplicator,
     filters: PromptFilter,
-    seed: int,
-    tag: str,
-    oversample: float = 1.25,
+    dedup: Deduplicator,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> RoundResult:
-    """One round: ``ceil(need[topic] * oversample)`` candidates per topic, kept up to ``need[topic]``.
+    """One round of ``round_plan``: its candidates written by ``writer``, kept up to each topic's need.
 
-    Candidates are judged in a fixed order (topic, then number), each sampled with its own seed from
-    ``seed`` and ``tag`` (which must differ between rounds and processes), so a round's outcome
-    does not depend on batching. ``dedup`` holds every prompt kept before and learns the new ones.
-    The engine (the bundled decoder or vLLM) completes the bare user-turn opening as a plain
-    completion prompt and stops at the end of the turn or an EOS id.
+    Candidates are judged in a fixed order (topic, then number), each sampled with its own seed, so
+    a round's outcome does not depend on batching. ``dedup`` holds every prompt kept before and
+    learns the new ones. The engine (the bundled decoder or vLLM) completes the bare user-turn
+    opening as a plain completion prompt and stops at the end of the turn or an EOS id.
     """
+    need, tokenizer = round_plan.need, writer.tokenizer
     turns = {topic: user_turn(tokenizer, TOPICS.get(topic)) for topic in need}
-    plan = [(topic, k) for topic, n in need.items() for k in range(math.ceil(n * oversample) if n > 0 else 0)]
+    count = {topic: math.ceil(n * round_plan.oversample) if n > 0 else 0 for topic, n in need.items()}
+    plan = [(topic, k) for topic, n in count.items() for k in range(n)]
     if not plan:
         return RoundResult([], 0, Counter())
-    stops = frozenset(eos_ids).union(*(turn.end_ids for turn in turns.values()))
+    stops = frozenset(writer.eos_ids).union(*(turn.end_ids for turn in turns.values()))
     written = dict(
-        engine.stream(
+        writer.engine.stream(
             [turns[topic].prefix_ids for topic, _ in plan],
             settings.max_tokens,
             sampling=settings.sampling(),
             stop_ids=stops,
-            seeds=[derived_seed(seed, tag, topic, k) for topic, k in plan],
+            seeds=[derived_seed(round_plan.seed, round_plan.tag, topic, k) for topic, k in plan],
             on_progress=on_progress,
         )
     )

@@ -28,7 +28,7 @@ from draftsmith.distill.dataset_builder import (
     sampling_settings,
 )
 from draftsmith.distill.dataset_cache import build_dataset_cache, engine_cache_writer, target_cache_writer
-from draftsmith.distill.engines import BundledEngine, GenerationEngine, VllmEngine
+from draftsmith.distill.engines import BundledEngine, GenerationEngine, VllmEngine, Writer
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, source_settings
 from draftsmith.distill.self_prompts import TOPICS, SelfPromptSettings
@@ -280,9 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     with generation_engine(args, device, dtype, tokenizer) as (engine, eos_ids):
         manifest = build_dataset(
             output,
-            engine,
-            tokenizer,
-            eos_ids,
+            Writer(engine, tokenizer, eos_ids),
             settings,
             prompts,
             samples_per_prompt=args.samples_per_prompt,

@@ -33,7 +33,7 @@ from draftsmith.distill.drafts import kind_named, kind_of_model, lm
 from draftsmith.distill.drafts.kind import Batch, DraftKind, Predictions
 from draftsmith.distill.drafts.lm import count_parameters
 from draftsmith.distill.losses import row_acceptance, row_cross_entropy, row_token_losses
-from draftsmith.distill.on_policy import OnPolicyMixer, example_prompt
+from draftsmith.distill.on_policy import OnPolicyMixer, OnPolicySettings, example_prompt
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import write_text
@@ -263,8 +263,7 @@ def on_policy_mixer(
     cfg: DistillConfig, examples: list[dict], target, tokenizer, pad: int, process_index: int
 ) -> OnPolicyMixer:
     prompts = [list(p) for p in sorted({tuple(example_prompt(e)) for e in examples})]
-    return OnPolicyMixer(
-        prompts,
+    settings = OnPolicySettings(
         fraction=cfg.on_policy_fraction,
         refresh_steps=cfg.on_policy_refresh_steps,
         pool_size=cfg.on_policy_pool,
@@ -274,9 +273,8 @@ def on_policy_mixer(
         seed=cfg.seed,
         batch_size=cfg.batch_size,
         max_length=cfg.max_length,
-        pad_id=pad,
-        process_index=process_index,
     )
+    return OnPolicyMixer(prompts, settings, pad, process_index)
 
 
 def resume(run: Run, step: int, folder: Path) -> None:

@@ -16,7 +16,7 @@ from draftsmith.distill.dataset_builder import (
     shard_paths,
     training_examples,
 )
-from draftsmith.distill.engines import BundledEngine
+from draftsmith.distill.engines import BundledEngine, Writer
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import PromptRecord
 from draftsmith.distill.self_prompts import SelfPromptSettings
@@ -71,7 +71,7 @@ def settings(**changes) -> BuildSettings:
 def build(folder, model, tokenizer, prompts, config=None, batch_size=4, **kw):
     kw.setdefault("shard_rows", 3)
     engine = BundledEngine(model, batch_size)
-    return build_dataset(folder, engine, tokenizer, EOS, config or settings(), prompts, progress=False, **kw)
+    return build_dataset(folder, Writer(engine, tokenizer, EOS), config or settings(), prompts, progress=False, **kw)
 
 
 def rows_by_key(folder) -> dict:

@@ -7,7 +7,7 @@ import torch
 
 from draftsmith.distill.dataset_builder import BuildSettings, build_dataset, load_built, training_examples
 from draftsmith.distill.dataset_cache import build_dataset_cache, cache_folder, dataset_entries, target_cache_writer
-from draftsmith.distill.engines import BundledEngine
+from draftsmith.distill.engines import BundledEngine, Writer
 from draftsmith.distill.prompt_sources import PromptRecord
 from draftsmith.specdec.errors import DraftsmithError
 from tests.helpers import tiny_llama, tiny_tokenizer
@@ -44,7 +44,7 @@ def build(folder, model, n: int) -> None:
         prompt_source={"kind": "local", "path": "/prompts.jsonl"},
     )
     engine = BundledEngine(model, batch_size=4)
-    build_dataset(folder, engine, tiny_tokenizer(32), EOS, settings, records(n), shard_rows=3, progress=False)
+    build_dataset(folder, Writer(engine, tiny_tokenizer(32), EOS), settings, records(n), shard_rows=3, progress=False)
 
 
 def own_top_k(model, ids: list[int], loss_mask: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from draftsmith.distill.engines import BundledEngine
+from draftsmith.distill.engines import BundledEngine, Writer
 from draftsmith.distill.prompt_filters import Deduplicator, PromptFilter
 from draftsmith.distill.self_prompts import (
+    RoundPlan,
     SelfPromptSettings,
     prompt_id,
     topic_shares,
@@ -68,9 +69,8 @@ def run_round(model, tokenizer, need, seed=0, tag="0", dedup=None):
     filters = PromptFilter(require_request=False)  # the tiny vocabulary has no English requests
     dedup = dedup or Deduplicator()
     eos = frozenset({1})
-    return write_prompt_round(
-        BundledEngine(model, batch_size=8), tokenizer, need, settings, eos, dedup, filters, seed, tag, oversample=3
-    )
+    writer = Writer(BundledEngine(model, batch_size=8), tokenizer, eos)
+    return write_prompt_round(writer, RoundPlan(need, seed, tag, oversample=3), settings, filters, dedup)
 
 
 def test_a_round_keeps_each_topics_share_of_finished_distinct_prompts():
