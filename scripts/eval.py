@@ -135,8 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _cut_head(args, draft, kind: DraftKind, eos: frozenset[int]):
     """The draft with its head cut to the ``--draft-vocab`` most frequent tokens of its run."""
     folder = Path(args.draft)
-    if not kind.cuts_head or not folder.is_dir():
+    if not folder.is_dir():
         raise DraftsmithError("--draft-vocab needs a trained draft folder from a distillation run (not self/truncate)")
+    if not kind.cuts_head:
+        raise DraftsmithError(
+            f"--draft-vocab: a {kind.name} draft decodes with the head cut its folder carries (if any); leave it out"
+        )
     if args.compare_hf:
         raise DraftsmithError("--compare-hf times transformers with the full draft; leave out --draft-vocab there")
     source = folder if (folder / draft_vocab.FILE).is_file() else folder.parent
