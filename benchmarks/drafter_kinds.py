@@ -46,7 +46,7 @@ from draftsmith.distill.drafts import kind_of_folder, load_draft
 from draftsmith.distill.drafts.eagle3 import KIND as EAGLE3
 from draftsmith.distill.drafts.eagle3 import EagleHead, unroll
 from draftsmith.distill.drafts.kind import Batch
-from draftsmith.distill.drafts.parallel import ParallelDraft, chain_predictions, cod_depths
+from draftsmith.distill.drafts.parallel import ParallelDraft, every_chain
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
@@ -153,11 +153,8 @@ def parallel_agreement(draft: ParallelDraft, batch: dict, rows, best, positions:
     """Per mask position j, the share of answer rows where the parallel draft's token there (every
     chain of masks that fits, none dropped) is the target's argmax given the true prefix."""
     ids = None if draft.head_ids is None else torch.tensor(draft.head_ids)
-    depth, _ = cod_depths(batch["loss_mask"], positions, 1.0, 1.0)
-    plain = Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], rows, ids)
-    logits, chains, teacher_rows = chain_predictions(draft, draft, plain, depth, draft.mask_token_id)
+    logits, teacher_rows, step = every_chain(draft, batch, rows, ids, positions)
     drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
-    step = torch.cat([torch.zeros_like(rows), chains.step])
     agree = (drafted == best[teacher_rows]).float()
     return [float(agree[step == j].mean()) for j in range(positions)]
 

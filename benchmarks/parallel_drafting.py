@@ -252,14 +252,16 @@ def main() -> None:
                 parser.error(f"{out / folder / 'trained.json'} not found: train with benchmarks/drafter_kinds.py first")
             trained[name] = {"from": str(out / folder), **json.loads((out / folder / "trained.json").read_text())}
             folders[name] = checkpoint.checkpoint_dirs(out / folder)[-1][1]
-    for name, kind in () if args.drafts else (("ordinary", ORDINARY), ("parallel", parallel)):
-        cfg = load_config(DistillConfig, str(config), [*overrides, *kind, f"output_dir={out / name}"])
-        record = out / name / "trained.json"
-        if not record.is_file():  # a later call measures the same drafts again
-            steps, seconds = train_for(cfg, args.minutes)
-            record.write_text(json.dumps({"steps": steps, "train_s": seconds}))
-        trained[name] = json.loads(record.read_text())
-        folders[name] = out / name / f"checkpoint-{trained[name]['steps']}"
+    else:
+        for name, kind in (("ordinary", ORDINARY), ("parallel", parallel)):
+            cfg = load_config(DistillConfig, str(config), [*overrides, *kind, f"output_dir={out / name}"])
+            record = out / name / "trained.json"
+            if not record.is_file():  # a later call measures the same drafts again
+                steps, seconds = train_for(cfg, args.minutes)
+                record.write_text(json.dumps({"steps": steps, "train_s": seconds}))
+            trained[name] = json.loads(record.read_text())
+            folders[name] = out / name / f"checkpoint-{trained[name]['steps']}"
+    for name in trained:
         print(f"{name}: {trained[name]['steps']} steps in {trained[name]['train_s'] / 60:.1f} min")
     parallel_cfg = load_config(DistillConfig, str(config), [*overrides, *parallel, f"output_dir={out / 'parallel'}"])
     minutes = trained["parallel"]["train_s"] / 60 if args.drafts else args.minutes

@@ -457,12 +457,22 @@ def position_acceptance(draft: ParallelDraft, target: PreTrainedModel, batch: di
     ids = None if draft.head_ids is None else torch.tensor(draft.head_ids, device=rows.device)
     hidden = vocab_cut.target_rows(target, batch, rows).hidden
     teacher = vocab_cut.head_log_probs(target, hidden, ids)  # (M, N or V), normalized over all V
+    logits, teacher_rows, steps = every_chain(draft, batch, rows, ids, k)
+    alpha = row_acceptance(logits, teacher.index_select(0, teacher_rows))  # exact: p outside the cut counts
+    return torch.stack([alpha[steps == j].mean() for j in range(k)])
+
+
+def every_chain(
+    draft: ParallelDraft, batch: dict, rows: torch.Tensor, ids: torch.Tensor | None, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draft's predictions at every chain step 0..k-1 of every loss row ``rows`` (M,) of a batch
+    (input_ids, attention_mask, loss_mask (B, T)), every chain that fits, none dropped, with the head
+    cut to ``ids`` (None: the full head): logits (M + E, N or V), teacher_rows (M + E,) into ``rows``,
+    and each prediction's chain step (M + E,)."""
     depth, _ = cod_depths(batch["loss_mask"], k, 1.0, 1.0)
     plain = Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], rows, ids)
     logits, chains, teacher_rows = chain_predictions(draft, draft, plain, depth, draft.mask_token_id)
-    alpha = row_acceptance(logits, teacher.index_select(0, teacher_rows))  # exact: p outside the cut counts
-    steps = torch.cat([torch.zeros_like(rows), chains.step])
-    return torch.stack([alpha[steps == j].mean() for j in range(k)])
+    return logits, teacher_rows, torch.cat([torch.zeros_like(rows), chains.step])
 
 
 class ParallelKind:
