@@ -73,14 +73,17 @@ def build(
     tokens = 0
     for shard in tqdm(range(n_shards), desc="teacher cache", disable=not progress, unit="shard"):
         chunk = examples[shard * shard_size : (shard + 1) * shard_size]
-        ids, logps = [], []
+        # batches of similar lengths (the target runs no padding to speak of); entries back in order
+        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["input_ids"]))
+        ids, logps = [torch.empty(0)] * len(chunk), [torch.empty(0)] * len(chunk)
         for start in range(0, len(chunk), batch_size):
-            batch = collate(chunk[start : start + batch_size], pad_id)
+            rows = order[start : start + batch_size]
+            batch = collate([chunk[i] for i in rows], pad_id)
             batch = {k: v.to(target.device) for k, v in batch.items()}
             top_ids, top_logps = rows_top_k(target, batch, top_k)  # (M, k): the loss rows, row after row
             counts = batch["loss_mask"].sum(1).tolist()
-            ids += top_ids.split(counts)
-            logps += top_logps.split(counts)
+            for i, row_ids, row_logps in zip(rows, top_ids.split(counts), top_logps.split(counts), strict=True):
+                ids[i], logps[i] = row_ids, row_logps
         tokens += write_shard(folder, shard, digests[shard * shard_size : (shard + 1) * shard_size], ids, logps)
     write_meta(folder, len(examples), tokens, top_k, n_shards)
     return folder
