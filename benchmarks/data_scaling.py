@@ -101,7 +101,8 @@ def heldout_prompts(args, work: Path) -> Path:
 def train_budget(args, work: Path, data: Path, lengths: list[int], budget: int) -> tuple[Path, dict]:
     """One epoch over the first rows holding ``budget`` answer tokens; returns (final checkpoint, facts)."""
     rows = next(i + 1 for i in range(len(lengths)) if sum(lengths[: i + 1]) >= budget)
-    overrides = [f"dataset={data}", f"max_samples={rows}", f"output_dir={work / f'run-{budget}'}", *args.set]
+    live = "teacher_cache=false"  # one epoch: the live target, unless --set teacher_cache=true
+    overrides = [f"dataset={data}", f"max_samples={rows}", f"output_dir={work / f'run-{budget}'}", live, *args.set]
     cfg = load_config(DistillConfig, config_path("smollm2-135m"), overrides)
     steps = max(1, round((rows - cfg.heldout) / (cfg.batch_size * cfg.grad_accum)))
     overrides += [f"max_steps={steps}", f"save_steps={steps}"]

@@ -68,6 +68,7 @@ def main() -> None:
                 f"output_dir={args.out}/{loss}",
                 "dataset=builtin",  # the built-in prompts and the target's answers to them
                 f"loss={loss}",
+                "teacher_cache=false",  # every loss with the live target (TVD, JSD need its whole distribution)
                 f"lr={args.lr}",
                 f"max_steps={args.steps}",
                 f"save_steps={args.steps}",

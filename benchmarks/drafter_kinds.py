@@ -35,20 +35,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
 from pathlib import Path
 
 import torch
 from common import PROMPTS, save
+from kind_runs import answers_batch, decoding_draft, train_for
 
-from draftsmith.distill.drafts import kind_of_folder, load_draft
 from draftsmith.distill.drafts.eagle3 import KIND as EAGLE3
 from draftsmith.distill.drafts.eagle3 import EagleHead, unroll
 from draftsmith.distill.drafts.kind import Batch
 from draftsmith.distill.drafts.parallel import ParallelDraft, every_chain
-from draftsmith.specdec import draft_vocab
-from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
 from draftsmith.specdec.measure.baseline import measure_baseline
 from draftsmith.specdec.measure.settings import MeasureSettings
@@ -56,14 +52,15 @@ from draftsmith.specdec.prompts import encode_chat, read_prompts
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.train import checkpoint
 from draftsmith.train.config import DistillConfig, load_config
-from draftsmith.train.loop import log_heldout, setup, train_step
-from draftsmith.train.loop import save as save_checkpoint
 from draftsmith.train.models import load_target
 from draftsmith.train.speedup import measure_draft
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 KINDS = {  # name -> (config, overrides): every kind on the same shipped data
-    "truncated LM (2 layers)": ("smollm2-135m.yaml", ["dataset=smollm2-self"]),
+    "truncated LM (2 layers)": (  # the live target and the schedule of the other kinds' configs
+        "smollm2-135m.yaml",
+        ["dataset=smollm2-self", "teacher_cache=false", "max_steps=300", "save_steps=100"],
+    ),
     "early exit (4 layers + exit head)": ("smollm2-135m-early-exit.yaml", ["dataset=smollm2-self"]),
     "EAGLE-3 head": ("smollm2-135m-eagle3.yaml", ["dataset=smollm2-self"]),
     "parallel draft (2 layers, 6 masks)": ("smollm2-135m-parallel.yaml", ["dataset=smollm2-self"]),
@@ -78,49 +75,6 @@ SMOKE = {
         ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}"],
     ),
 }
-
-
-def train_for(cfg: DistillConfig, minutes: float) -> dict:
-    """Train the run ``cfg`` describes for ``minutes`` of training steps (or its max_steps), then log
-    its held-out alpha and save its draft as ``checkpoint-{step}``: what it did."""
-    load_before = os.getloadavg()[0]
-    run = setup(cfg)
-    spent, epoch = 0.0, 0
-    while spent < 60 * minutes and run.step < cfg.max_steps:
-        run.loader.set_epoch(epoch)
-        batches = iter(run.loader)
-        for _ in range(len(run.loader) // cfg.grad_accum):
-            micro = [next(batches) for _ in range(cfg.grad_accum)]
-            start = time.perf_counter()
-            loss, tokens = train_step(run, micro)
-            spent += time.perf_counter() - start
-            run.window_loss, run.window_tokens = run.window_loss + loss, run.window_tokens + tokens
-            if spent >= 60 * minutes or run.step >= cfg.max_steps:
-                break
-        epoch += 1
-    log_heldout(run)
-    run.bar.close()
-    save_checkpoint(run)
-    return {
-        "steps": run.step,
-        "train_s": spent,
-        "heldout_alpha": run.last_metrics["acceptance_rate"],
-        "load_average": [load_before, os.getloadavg()[0]],
-    }
-
-
-def answers_batch(target, tokenizer, prompts: list[list[int]], tokens: int, eos) -> dict:
-    """The target's greedy answers to ``prompts``, right-padded, with the loss rows that predict them."""
-    answers = target_generate(target, prompts, tokens, eos_ids=eos)[0]
-    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), tokenizer.pad_token_id or 0)
-    attention, loss = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
-    for row, (prompt, sequence) in enumerate(zip(prompts, sequences, strict=True)):
-        ids[row, : len(sequence)] = torch.tensor(sequence)
-        attention[row, : len(sequence)] = 1
-        loss[row, len(prompt) - 1 : len(sequence) - 1] = True
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
 
 
 @torch.no_grad()
@@ -157,14 +111,6 @@ def parallel_agreement(draft: ParallelDraft, batch: dict, rows, best, positions:
     drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
     agree = (drafted == best[teacher_rows]).float()
     return [float(agree[step == j].mean()) for j in range(positions)]
-
-
-def decoding_draft(folder: Path, target, eos):
-    """A saved draft as eval-run decodes it: a standalone LM trained with a cut head decodes with it."""
-    draft = load_draft(str(folder), target, target.device, target.dtype)
-    if kind_of_folder(folder).cuts_head and (folder / draft_vocab.FILE).is_file():
-        return draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(folder), eos)
-    return draft
 
 
 def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dtype, args) -> dict:

@@ -29,18 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 from common import PROMPTS, save
+from kind_runs import answers_batch, decoding_draft, train_for
 
 from draftsmith.distill import vocab_cut
-from draftsmith.distill.drafts import load_draft
 from draftsmith.distill.drafts.parallel import ParallelDraft, position_acceptance
 from draftsmith.distill.losses import row_acceptance
-from draftsmith.specdec import draft_vocab
-from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
 from draftsmith.specdec.measure.baseline import measure_baseline
 from draftsmith.specdec.measure.clock import Clock
@@ -51,51 +48,12 @@ from draftsmith.specdec.prompts import encode_chat, read_prompts
 from draftsmith.specdec.stream import ModelStream
 from draftsmith.train import checkpoint
 from draftsmith.train.config import DistillConfig, load_config
-from draftsmith.train.loop import save as save_checkpoint
-from draftsmith.train.loop import setup, train_step
 from draftsmith.train.models import load_target
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 ORDINARY = ["draft_kind=lm", "kind_options={}"]  # the parallel config's draft, without its masks
 # --smoke: configs/tiny.yaml as a parallel draft (<unk> as the mask: the character data has none), head cut too
 SMOKE = ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}"]
-
-
-def train_for(cfg: DistillConfig, minutes: float) -> tuple[int, float]:
-    """Train the run ``cfg`` describes until ``minutes`` of training steps have passed (setup and the
-    step-0 held-out evaluation not counted), then save its draft as ``checkpoint-{step}``: (steps, seconds)."""
-    run = setup(cfg)
-    spent, epoch = 0.0, 0
-    while spent < 60 * minutes:
-        run.loader.set_epoch(epoch)
-        batches = iter(run.loader)
-        for _ in range(len(run.loader) // cfg.grad_accum):
-            micro = [next(batches) for _ in range(cfg.grad_accum)]
-            start = time.perf_counter()
-            train_step(run, micro)
-            spent += time.perf_counter() - start
-            if spent >= 60 * minutes:
-                break
-        epoch += 1
-    run.bar.close()
-    save_checkpoint(run)
-    return run.step, spent
-
-
-def answers_batch(target, tokenizer, prompts: list[list[int]], tokens: int, eos) -> dict:
-    """The target's greedy answers to ``prompts`` as a right-padded batch whose loss rows predict them."""
-    answers = target_generate(target, prompts, tokens, eos_ids=eos)[0]
-    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
-    width = max(len(s) for s in sequences)
-    pad = tokenizer.pad_token_id or 0
-    loss = torch.zeros(len(sequences), width, dtype=torch.bool)
-    for row, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
-        loss[row, len(prompt) - 1 : len(prompt) + len(answer) - 1] = True
-    return {
-        "input_ids": torch.tensor([s + [pad] * (width - len(s)) for s in sequences]),
-        "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences]),
-        "loss_mask": loss,
-    }
 
 
 @torch.no_grad()
@@ -105,14 +63,6 @@ def next_token_acceptance(draft, target, batch: dict) -> float:
     p = vocab_cut.head_log_probs(target, vocab_cut.target_rows(target, batch, rows).hidden, None)
     logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
     return float(row_acceptance(logits.flatten(0, 1)[rows], p).mean())
-
-
-def decoding_draft(folder: Path, target, eos):
-    """A saved draft as eval-run decodes it: a parallel draft carries its cut; an ordinary one is cut here."""
-    draft = load_draft(str(folder), target, target.device, target.dtype)
-    if isinstance(draft, ParallelDraft) or not (folder / draft_vocab.FILE).is_file():
-        return draft
-    return draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(folder), eos)
 
 
 @torch.inference_mode()
@@ -257,8 +207,7 @@ def main() -> None:
             cfg = load_config(DistillConfig, str(config), [*overrides, *kind, f"output_dir={out / name}"])
             record = out / name / "trained.json"
             if not record.is_file():  # a later call measures the same drafts again
-                steps, seconds = train_for(cfg, args.minutes)
-                record.write_text(json.dumps({"steps": steps, "train_s": seconds}))
+                record.write_text(json.dumps(train_for(cfg, args.minutes)))
             trained[name] = json.loads(record.read_text())
             folders[name] = out / name / f"checkpoint-{trained[name]['steps']}"
     for name in trained:

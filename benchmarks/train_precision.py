@@ -44,7 +44,8 @@ def main() -> None:
                 run = work / f"{arm.replace(' ', '_').replace('+', '')}-{rep}"
                 steps = [f"max_steps={args.steps}", f"log_steps={args.steps}", f"save_steps={args.steps}"]
                 data = "dataset=builtin"  # the target answers the built-in prompts at the start of each run
-                cfg = load_config(DistillConfig, str(CONFIG), [f"output_dir={run}", data, *steps, *overrides])
+                live = "teacher_cache=false"  # the target teaches at every step: its dtype is what is measured
+                cfg = load_config(DistillConfig, str(CONFIG), [f"output_dir={run}", data, live, *steps, *overrides])
                 rates[arm].append(tokens_per_s(train(cfg)))
                 print(f"repeat {rep + 1} {arm}: {rates[arm][-1]:.1f} tokens/s")
 

@@ -51,7 +51,7 @@ def arms(native_bf16: bool) -> dict[str, list[str]]:
     """name -> config overrides; float32 arms only where the default is another dtype."""
     dtypes = {"default": []} | ({"float32": ["teacher_dtype=float32", "mixed_precision=no"]} if native_bf16 else {})
     heads = {"cut": [], "full": ["train_draft_vocab=0"]}
-    teachers = {"live": [], "cache": ["teacher_cache=true"]}
+    teachers = {"live": ["teacher_cache=false"], "cache": ["teacher_cache=true"]}
     return {
         f"{teacher} {head} {dtype}": [*t, *h, *d]
         for dtype, d in dtypes.items()

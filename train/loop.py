@@ -87,6 +87,7 @@ class Run:
     window_tokens: int = 0
     window_start: float = 0.0
     grad_norm: float = 0.0  # the latest step's gradient norm, before clipping
+    heldout_memo: dict = dataclasses.field(default_factory=dict)  # the frozen target at the held-out rows
     started: float = 0.0  # when this process began training, and at which step
     start_step: int = 0
 
@@ -295,7 +296,7 @@ def start(run: Run) -> None:
     if accelerator.is_main_process:
         for name in LOGS[:2]:
             (run.run_dir / name).unlink(missing_ok=True)
-    heldout = heldout_metrics(run.draft, run.target, run.heldout, accelerator, loss_head(run))
+    heldout = heldout_metrics(run.draft, run.target, run.heldout, accelerator, loss_head(run), run.heldout_memo)
     run.last_metrics = {"step": 0, **heldout}
     state = accelerator.get_state_dict(run.draft)  # a collective: every process takes part
     if accelerator.is_main_process:
@@ -401,7 +402,7 @@ def on_step_end(run: Run, loss: float, tokens: int) -> None:
 def log_heldout(run: Run) -> None:
     """Held-out acceptance next to the loss, learning rate and throughput since the last record."""
     elapsed = time.perf_counter() - run.window_start  # training time only, before the held-out evaluation
-    metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator, loss_head(run))
+    metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator, loss_head(run), run.heldout_memo)
     run.last_metrics = {
         "step": run.step,
         "loss": run.window_loss / (run.step % run.cfg.log_steps or run.cfg.log_steps),
@@ -445,19 +446,21 @@ def summarize(run: Run) -> None:
 
 
 @torch.no_grad()
-def heldout_metrics(draft, target, loader, accelerator: Accelerator, head: LossHead) -> dict:
+def heldout_metrics(draft, target, loader, accelerator: Accelerator, head: LossHead, memo: dict | None = None) -> dict:
     """Mean acceptance probability sum_x min(p, q) and TVD over held-out tokens, synced across processes.
 
     Exact over the target's full vocabulary, with both heads at the loss rows only; with a cut head
     (``head.ids``) the draft's q is the cut head's (zero outside those tokens), as it decodes. A kind
-    that predicts several steps ahead is measured on its first step (the next token)."""
+    that predicts several steps ahead is measured on its first step (the next token). ``memo`` (a
+    run's, kept between evaluations) holds the frozen target's decoder output per held-out batch, so
+    only the first evaluation runs the target's layers; the later ones apply its head to them."""
     alpha = torchmetrics.MeanMetric().to(accelerator.device)
     layers = head.kind.teacher_layers(head.model)
     was_training = draft.training
     draft.eval()
-    for batch in loader:
+    for index, batch in enumerate(loader):
         rows = vocab_cut.loss_rows(batch["loss_mask"])  # (M,)
-        target_out = vocab_cut.target_rows(target, batch, rows, layers)
+        target_out = frozen_target_rows(target, batch, rows, layers, memo, index)
         p = vocab_cut.head_log_probs(target, target_out.hidden, head.ids).to(accelerator.device)  # (M, N or V)
         teacher = TeacherRows(p, target_out.layers)
         predicted = draft_predictions(draft, batch, rows, teacher, head)
@@ -467,6 +470,21 @@ def heldout_metrics(draft, target, loader, accelerator: Accelerator, head: LossH
     draft.train(was_training)
     value = float(alpha.compute())
     return {"acceptance_rate": value, "tvd": 1 - value}
+
+
+def frozen_target_rows(
+    target: PreTrainedModel, batch: dict, rows: torch.Tensor, layers, memo: dict | None, index: int
+) -> vocab_cut.TargetRows:
+    """``vocab_cut.target_rows`` for the ``index``-th held-out batch, read from ``memo`` when that batch
+    was seen before (the same input ids and layers: the target is frozen, so its output is the same)."""
+    key = (index, tuple(layers))
+    seen = None if memo is None else memo.get(key)
+    if seen is not None and torch.equal(seen[0], batch["input_ids"]):
+        return seen[1]
+    out = vocab_cut.target_rows(target, batch, rows, layers)
+    if memo is not None:
+        memo[key] = (batch["input_ids"].clone(), out)
+    return out
 
 
 def measure_speedup(run: Run) -> None:

@@ -156,6 +156,35 @@ def test_heldout_alpha_at_the_rows_equals_the_full_vocabulary_formula(models, cu
     assert draft.training
 
 
+def test_heldout_evaluations_run_the_frozen_target_once_per_batch(models):
+    target, draft = models[0], copy.deepcopy(models[1])  # this test changes the draft
+    head = LossHead(draft, IDS, target.config.vocab_size)
+    batches = [collate(EXAMPLES[:2], PAD), collate(EXAMPLES[2:], PAD)]
+    calls = []
+    hook = target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        plain = heldout_metrics(draft, target, batches, Accelerator(cpu=True), head)
+        memo: dict = {}
+        first = heldout_metrics(draft, target, batches, Accelerator(cpu=True), head, memo)
+        assert len(calls) == 4  # two evaluations, two batches each
+        with torch.no_grad():
+            weight = draft.model.layers[0].mlp.down_proj.weight
+            weight.add_(0.5 * torch.randn_like(weight))  # as training steps would
+        again = heldout_metrics(draft, target, batches, Accelerator(cpu=True), head, memo)
+        assert len(calls) == 4  # the target's layers did not run again
+        assert again["acceptance_rate"] == pytest.approx(
+            heldout_metrics(draft, target, batches, Accelerator(cpu=True), head)["acceptance_rate"], abs=1e-6
+        )
+        assert again["acceptance_rate"] != first["acceptance_rate"]  # the draft's side is evaluated anew
+        other = [batches[1], batches[0]]  # other input ids at the same places: the target runs again
+        swapped = heldout_metrics(draft, target, other, Accelerator(cpu=True), head, memo)
+        assert swapped["acceptance_rate"] == pytest.approx(again["acceptance_rate"], abs=1e-6)
+        assert len(calls) == 6 + 2  # the two plain evaluations above, then the two new batches
+    finally:
+        hook.remove()
+    assert plain["acceptance_rate"] == pytest.approx(first["acceptance_rate"], abs=1e-6)
+
+
 def test_teacher_cache_built_at_the_rows_holds_the_top_k_of_the_full_log_softmax(models, tmp_path):
     target, _ = models
     folder = teacher_cache.build(

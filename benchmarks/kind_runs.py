@@ -1,0 +1,70 @@
+"""What the drafter-kind benchmarks share: training a config for a wall-clock budget, the target's
+greedy answers as a teacher-forcing batch, and a saved draft loaded as eval-run decodes it."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.distill.drafts import kind_of_folder, load_draft
+from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.decoder import target_generate
+from draftsmith.train.config import DistillConfig
+from draftsmith.train.loop import log_heldout, setup, train_step
+from draftsmith.train.loop import save as save_checkpoint
+
+
+def train_for(cfg: DistillConfig, minutes: float) -> dict:
+    """Train the run ``cfg`` describes until ``minutes`` of training steps have passed or its max_steps
+    are done (set-up, held-out evaluations and checkpoint writing not counted), then log its held-out
+    alpha and save its draft as ``checkpoint-{step}``: steps, seconds, held-out alpha, load before/after."""
+    load_before = os.getloadavg()[0]
+    run = setup(cfg)
+    spent, epoch = 0.0, 0
+    while spent < 60 * minutes and run.step < cfg.max_steps:
+        run.loader.set_epoch(epoch)
+        batches = iter(run.loader)
+        for _ in range(len(run.loader) // cfg.grad_accum):
+            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            start = time.perf_counter()
+            loss, tokens = train_step(run, micro)
+            spent += time.perf_counter() - start
+            run.window_loss, run.window_tokens = run.window_loss + loss, run.window_tokens + tokens
+            if spent >= 60 * minutes or run.step >= cfg.max_steps:
+                break
+        epoch += 1
+    log_heldout(run)
+    run.bar.close()
+    save_checkpoint(run)
+    return {
+        "steps": run.step,
+        "train_s": spent,
+        "heldout_alpha": run.last_metrics["acceptance_rate"],
+        "load_average": [load_before, os.getloadavg()[0]],
+    }
+
+
+def answers_batch(target, tokenizer, prompts: list[list[int]], tokens: int, eos) -> dict:
+    """The target's greedy answers to ``prompts``, right-padded, with the loss rows that predict them."""
+    answers = target_generate(target, prompts, tokens, eos_ids=eos)[0]
+    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), tokenizer.pad_token_id or 0)
+    attention, loss = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    for row, (prompt, sequence) in enumerate(zip(prompts, sequences, strict=True)):
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        attention[row, : len(sequence)] = 1
+        loss[row, len(prompt) - 1 : len(sequence) - 1] = True
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
+
+
+def decoding_draft(folder: Path, target, eos):
+    """A saved draft as eval-run decodes it: a kind that trains with the generic cut head decodes with
+    it; the others (EAGLE-3's own vocabulary, a parallel draft's own cut) load as they are."""
+    draft = load_draft(str(folder), target, target.device, target.dtype)
+    if kind_of_folder(folder).cuts_head and (folder / draft_vocab.FILE).is_file():
+        return draft_vocab.SubsetHeadDraft(draft, draft_vocab.load_ranking(folder), eos)
+    return draft
