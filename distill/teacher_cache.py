@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from draftsmith.distill import vocab_cut
-from draftsmith.distill.data import collate
+from draftsmith.distill.data import collate, length_buckets
 from draftsmith.distill.losses import densify_topk
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path, write_text
@@ -73,11 +73,11 @@ def build(
     tokens = 0
     for shard in tqdm(range(n_shards), desc="teacher cache", disable=not progress, unit="shard"):
         chunk = examples[shard * shard_size : (shard + 1) * shard_size]
-        # batches of similar lengths (the target runs no padding to speak of); entries back in order
-        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["input_ids"]))
+        # the shard in batches of similar lengths (the target runs no padding to speak of), one window;
+        # entries go back in the examples' order
+        lengths = [len(e["input_ids"]) for e in chunk]
         ids, logps = [torch.empty(0)] * len(chunk), [torch.empty(0)] * len(chunk)
-        for start in range(0, len(chunk), batch_size):
-            rows = order[start : start + batch_size]
+        for rows in length_buckets(list(range(len(chunk))), lengths, batch_size, window=len(chunk)):
             batch = collate([chunk[i] for i in rows], pad_id)
             batch = {k: v.to(target.device) for k, v in batch.items()}
             top_ids, top_logps = rows_top_k(target, batch, top_k)  # (M, k): the loss rows, row after row
