@@ -4,15 +4,22 @@ A dataset folder is laid out as the Hugging Face hub lays out a dataset, so that
 ``datasets.load_dataset(FOLDER, split="train")`` and ``push_to_hub`` work with nothing of draftsmith
 installed::
 
-    README.md            the dataset card: YAML metadata naming the split's data files and the
-                         manifest's facts (target, sampling, counts, complete or not), then text
-    data/train-rR-NNNNN.parquet   answer rows, one parquet file per shard (R: the process that wrote it)
+    README.md            the dataset card: YAML metadata naming the split's data files one by one, their
+                         rows and bytes, and the manifest's facts (target, sampling, counts, complete or
+                         not), then text; rewritten with every shard written or removed
+    data/train-ID-rR-NNNNN.parquet   answer rows, one parquet file per shard (ID: the dataset's own id,
+                         R: the process that wrote it)
     manifest.json        the settings the rows were made with, counts, tokens, seconds taken by builds
                          that ran to the end (a killed one adds its rows but not its time)
     prompts/             prompts the target wrote itself (when the source is ``self``), JSONL per round
 
 Folders of the layout before (``shards/shard-rR-NNNNN/``, one ``save_to_disk`` folder per shard) still
 load; ``draftsmith data`` on one converts it once, shard by shard, and says so.
+
+``datasets`` keys its cache of a local folder by the folder's base name and a hash of the card's
+``configs`` (the data file patterns as written, not the files they match) and ``dataset_info``. So the
+card lists the exact shard files, whose names carry the dataset's id, and the split's rows and bytes:
+two folders of one name, or one folder before and after rows were added, never share a cache entry.
 
 Every file and shard is written under a temporary name and renamed when complete, so a build killed
 at any point keeps every finished shard and nothing half-written. Building again into the same folder
@@ -34,9 +41,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import shutil
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -72,7 +81,7 @@ from draftsmith.specdec.sampling import SamplingParams
 
 MANIFEST = "manifest.json"
 CARD = "README.md"
-DATA = "data"  # answer shards: data/train-rR-NNNNN.parquet
+DATA = "data"  # answer shards: data/train-ID-rR-NNNNN.parquet
 SPLIT = "train"
 LEGACY_SHARDS = "shards"  # the layout before: shards/shard-rR-NNNNN/, one save_to_disk folder per shard
 PROMPTS = "prompts"
@@ -228,13 +237,15 @@ def open_dataset(folder: Path, settings: BuildSettings, group: ProcessGroup, eng
     if group.is_main:
         for stale in folder.glob("**/.*.tmp"):
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        manifest.setdefault("id", uuid.uuid4().hex[:8])
         repair(folder)
         convert_legacy(folder)
+        name_shards(folder, manifest["id"])
         manifest["draftsmith_version"] = importlib.metadata.version("draftsmith")
         write_text(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         write_card(folder, manifest)
     group.barrier()
-    return manifest
+    return read_manifest(folder)  # the main process's, with the dataset's id
 
 
 def token_bar(desc: str, enabled: bool) -> tuple[Callable[[Progress], None] | None, Callable[[], None]]:
@@ -255,14 +266,40 @@ def shard_paths(folder: Path) -> list[Path]:
     """The finished answer shards (parquet files, or folders of the old layout), in name order
     (temporaries start with a dot and are skipped)."""
     folder = Path(folder)
-    shards = list((folder / DATA).glob(f"{SPLIT}-r*.parquet"))
+    shards = list((folder / DATA).glob(f"{SPLIT}-*.parquet"))
     shards += [p for p in (folder / LEGACY_SHARDS).glob("shard-r*") if p.is_dir()]
-    return sorted(shards, key=lambda p: shard_name(p).split("-", 1)[1])
+    return sorted(shards, key=lambda p: shard_place(shard_name(p)))
 
 
 def shard_name(path: Path) -> str:
-    """A shard's name (``train-r0-00003``; ``shard-r0-00003`` in the old layout), which keys its teacher cache."""
+    """A shard's name (``train-1a2b3c4d-r0-00003``; ``train-r0-00003`` before datasets had an id,
+    ``shard-r0-00003`` in the old layout), which keys its teacher cache."""
     return path.stem if path.suffix == ".parquet" else path.name
+
+
+SHARD_NAME = re.compile(r"(?:train|shard)-(?:([0-9a-f]+)-)?r(\d+)-(\d+)")
+
+
+def shard_place(name: str) -> tuple[int, int]:
+    """(process, serial) of a shard name: the order shards are read in."""
+    match = SHARD_NAME.fullmatch(name)
+    if match is None:
+        return (sys.maxsize, sys.maxsize)
+    return int(match[2]), int(match[3])
+
+
+def name_shards(folder: Path, dataset_id: str) -> None:
+    """Give shards named before datasets had an id (``train-r0-00003``) the dataset's id, their teacher
+    caches with them, so that no other folder lists the same data files."""
+    folder = Path(folder)
+    for path in shard_paths(folder):
+        match = SHARD_NAME.fullmatch(shard_name(path))
+        if path.suffix != ".parquet" or match is None or match[1] is not None:
+            continue
+        name = f"{SPLIT}-{dataset_id}-r{match[2]}-{match[3]}"
+        for cache in folder.glob(f"teacher-cache-k*/{shard_name(path)}"):
+            cache.rename(cache.with_name(name))
+        path.rename(path.with_name(f"{name}.parquet"))
 
 
 def read_shard(path: Path) -> datasets.Dataset:
@@ -353,14 +390,16 @@ def convert_legacy(folder: Path) -> None:
 
 
 def write_shard(folder: Path, process_index: int, rows: list[dict]) -> Path:
-    """Save ``rows`` as this process's next shard, atomically; return its path."""
-    mine = [
-        shard_name(p) for p in shard_paths(folder) if shard_name(p).split("-", 1)[1].startswith(f"r{process_index}-")
-    ]
-    serial = 1 + max((int(name.rsplit("-", 1)[1]) for name in mine), default=-1)
-    final = Path(folder) / DATA / f"{SPLIT}-r{process_index}-{serial:05d}.parquet"
+    """Save ``rows`` as this process's next shard, atomically, and the card that lists it; return its path."""
+    manifest = read_manifest(folder) or {}
+    places = [shard_place(shard_name(p)) for p in shard_paths(folder)]
+    serial = 1 + max((s for process, s in places if process == process_index), default=-1)
+    prefix = f"{SPLIT}-{manifest['id']}" if "id" in manifest else SPLIT
+    final = Path(folder) / DATA / f"{prefix}-r{process_index}-{serial:05d}.parquet"
     with atomic_path(final) as tmp:
         datasets.Dataset.from_list(rows, features=ROW_FEATURES).to_parquet(str(tmp))
+    if manifest:
+        write_card(folder, manifest)
     return final
 
 
@@ -393,8 +432,23 @@ def write_card(folder: Path, manifest: dict) -> None:
         "prompt_source": manifest["settings"]["prompt_source"].get("kind"),
         **{k: v for k, v in manifest.get("counts", {}).items() if not isinstance(v, dict)},
     }
+    files = [p for p in shard_paths(folder) if p.suffix == ".parquet"]
+    rows = sum(shard_rows(p) for p in files)
+    size = sum(p.stat().st_size for p in files)
     metadata = {
-        "configs": [{"config_name": "default", "data_files": [{"split": SPLIT, "path": f"{DATA}/{SPLIT}-*.parquet"}]}],
+        "configs": [
+            {
+                "config_name": "default",
+                "data_files": [{"split": SPLIT, "path": [p.relative_to(folder).as_posix() for p in files]}],
+            }
+        ],
+        # datasets hashes this and the file list into its cache key: the key follows rows and bytes
+        "dataset_info": {
+            "config_name": "default",
+            "splits": [{"name": SPLIT, "num_bytes": size, "num_examples": rows}],
+            "download_size": size,
+            "dataset_size": size,
+        },
         "task_categories": ["text-generation"],
         "tags": ["draftsmith", "distillation", "speculative-decoding", "synthetic"],
         "draftsmith": facts,

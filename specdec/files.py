@@ -5,12 +5,19 @@ when complete. A rename within one folder is atomic (``os.replace``), so a proce
 writing leaves the previous version or nothing, never a truncated file; the temporary is removed
 when writing fails. Every package may use this module: it imports nothing from draftsmith but its
 error type. ``check_writable`` says before any work starts whether an output path can be written.
+
+Atomic replacement is for regular files and folders. A device, FIFO or socket, and a symbolic link
+to a file (``/dev/stdout``, a pipe, a link into ``/proc/self/fd``) are written through, in place, never
+renamed over: the link stays and what it points to receives the bytes. A link to a folder is followed,
+and the folder it points to replaced; a folder cannot be written to a device.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,19 +43,52 @@ def replace(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
+def is_special(path: Path) -> bool:
+    """Whether ``path`` is (or links to) something other than a regular file or folder: a device, FIFO or socket."""
+    try:
+        mode = os.stat(path).st_mode  # follows symbolic links
+    except OSError:  # missing, or a link to nothing
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def destination(path: Path) -> Path:
+    """Where writing ``path`` lands: the file or folder a symbolic link points to, else ``path`` itself."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def write_through(tmp: Path, special: Path) -> None:
+    """Copy the finished file ``tmp`` into ``special`` (a device, FIFO or link to a file), in place."""
+    if tmp.is_dir():
+        raise DraftsmithError(f"{special} is a device or pipe, not a folder: give a folder path")
+    try:
+        with open(tmp, "rb") as source, open(special, "wb") as out:
+            shutil.copyfileobj(source, out)
+    except OSError as err:
+        raise DraftsmithError(f"cannot write {special} ({err.strerror}); give a file path") from err
+
+
 @contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """A fresh temporary path beside ``final``: write a file or a folder there; on success it becomes ``final``.
 
     The path does not exist yet (the caller creates the file or folder); it is unique, so two
-    processes writing the same destination do not mix their halves.
+    processes writing the same destination do not mix their halves. A ``final`` that is a device or
+    FIFO is written through instead, and one that is a symbolic link replaces what it points to.
     """
     final = Path(final)
+    through = is_special(final) or (final.is_symlink() and not final.is_dir())
+    special = final if through else None
+    final = Path(tempfile.gettempdir()) / "draftsmith-through" if through else destination(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
-        replace(tmp, final)
+        if special is not None:
+            write_through(tmp, special)
+        else:
+            replace(tmp, final)
     finally:
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -71,6 +111,13 @@ def check_writable(path: Path, what: str, folder: bool = False) -> None:
     temporary file, which is also how a read-only file system or a missing permission shows.
     """
     path = Path(path).expanduser()
+    if is_special(path) or (path.is_symlink() and not path.is_dir() and path.exists()):
+        if folder:
+            raise DraftsmithError(f"{what} is a device, pipe or link to a file, not a folder: give a folder path")
+        if not os.access(path, os.W_OK):
+            raise DraftsmithError(f"{what}: cannot write to it (permission denied); give a file path")
+        return  # written through in place (``atomic_path``)
+    path = destination(path)
     if path.exists() and path.is_dir() != folder:
         kind, wanted = ("a file", "folder") if folder else ("a folder", "file")
         raise DraftsmithError(f"{what} is {kind}, not a {wanted}: give a {wanted} path")

@@ -84,7 +84,8 @@ def rows_by_key(folder) -> dict:
 def test_every_prompt_is_answered_once_in_shards_with_the_targets_own_answer(tmp_path, model, tokenizer):
     prompts = records(10)
     manifest = build(tmp_path / "d", model, tokenizer, prompts)
-    assert [p.name for p in shard_paths(tmp_path / "d")] == [f"train-r0-0000{i}.parquet" for i in range(4)]  # 3+3+3+1
+    names = [p.name for p in shard_paths(tmp_path / "d")]
+    assert names == [f"train-{manifest['id']}-r0-0000{i}.parquet" for i in range(4)]  # 3+3+3+1
     rows = rows_by_key(tmp_path / "d")
     assert sorted(rows) == sorted((p.id, 0) for p in prompts)
     for prompt in prompts:
@@ -191,7 +192,7 @@ def test_processes_take_disjoint_shares_that_add_up_to_one_process(tmp_path, mod
         build(tmp_path / "two", model, tokenizer, prompts, group=ProcessGroup(index, 2))
     share = {}
     for rank in ("r0", "r1"):
-        paths = [p for p in shard_paths(tmp_path / "two") if p.name.startswith(f"train-{rank}-")]
+        paths = [p for p in shard_paths(tmp_path / "two") if f"-{rank}-" in p.name]
         share[rank] = {i for path in paths for i in read_shard(path)["prompt_id"]}
     assert share["r0"] == {f"p{k}" for k in range(0, 11, 2)}  # every second prompt
     assert share["r1"] == {f"p{k}" for k in range(1, 11, 2)}

@@ -5,7 +5,14 @@ import json
 import pytest
 import torch
 
-from draftsmith.distill.dataset_builder import BuildSettings, build_dataset, load_built, training_examples
+from draftsmith.distill.dataset_builder import (
+    BuildSettings,
+    build_dataset,
+    load_built,
+    shard_name,
+    shard_paths,
+    training_examples,
+)
 from draftsmith.distill.dataset_cache import build_dataset_cache, cache_folder, dataset_entries, target_cache_writer
 from draftsmith.distill.engines import BundledEngine, Writer
 from draftsmith.distill.prompt_sources import PromptRecord
@@ -62,7 +69,8 @@ def test_every_row_is_cached_whole_and_a_run_reads_it_cut_to_its_examples(tmp_pa
     answer_tokens = sum(len(a) for a in load_built(folder)["answer_ids"])
     assert manifest["teacher_cache"] == {"8": {**MADE_BY, "top_k": 8, "shards": 3, "tokens": answer_tokens}}
     assert json.loads((folder / "manifest.json").read_text())["teacher_cache"] == manifest["teacher_cache"]
-    assert sorted(p.name for p in cache_folder(folder, 8).iterdir()) == [f"train-r0-0000{i}" for i in range(3)]
+    names = [f"train-{manifest['id']}-r0-0000{i}" for i in range(3)]
+    assert sorted(p.name for p in cache_folder(folder, 8).iterdir()) == names
 
     # A run that cuts sequences at 10 tokens and keeps 5 tokens per position reads exactly those.
     examples = training_examples(folder, max_length=10)
@@ -84,9 +92,10 @@ def test_rows_added_later_and_a_shard_cache_cut_short_are_cached_when_the_step_r
     folder = tmp_path / "d"
     build(folder, model, 4)
     build_dataset_cache(folder, 6, target_cache_writer(model, 6), MADE_BY)
-    kept = cache_folder(folder, 6) / "train-r0-00000" / "shard-00000.safetensors"
+    first, second = (shard_name(p) for p in shard_paths(folder)[:2])
+    kept = cache_folder(folder, 6) / first / "shard-00000.safetensors"
     written = kept.stat().st_mtime_ns
-    (cache_folder(folder, 6) / "train-r0-00001" / "meta.json").unlink()  # as a build killed before its end leaves it
+    (cache_folder(folder, 6) / second / "meta.json").unlink()  # as a build killed before its end leaves it
     build(folder, model, 8)  # 4 more rows: shards 2 and 3
     examples = training_examples(folder, max_length=256)
     assert dataset_entries(folder, examples, "float32", top_k=6, max_length=256) is None  # not all covered

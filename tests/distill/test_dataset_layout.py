@@ -3,7 +3,11 @@ training only when complete and intact: a damaged shard is named, and building a
 layout before (shards/ of save_to_disk folders) still loads and is converted once."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import datasets
 import pytest
@@ -37,7 +41,7 @@ def tokenizer():
 
 @pytest.fixture
 def built(tmp_path, model, tokenizer):
-    """A finished dataset of 7 prompts in shards of 3 rows: train-r0-00000 .. 00002."""
+    """A finished dataset of 7 prompts in shards of 3 rows: train-ID-r0-00000 .. 00002."""
     build(tmp_path / "d", model, tokenizer, records(7))
     return tmp_path / "d"
 
@@ -46,14 +50,21 @@ def test_the_card_names_the_split_and_the_manifests_facts(built):
     card = (built / "README.md").read_text()
     assert card.startswith("---\n")
     metadata = yaml.safe_load(card.split("---\n")[1])
-    assert metadata["configs"] == [
-        {"config_name": "default", "data_files": [{"split": "train", "path": "data/train-*.parquet"}]}
-    ]
+    files = [f"data/train-{read_manifest(built)['id']}-r0-0000{i}.parquet" for i in range(3)]
+    assert metadata["configs"] == [{"config_name": "default", "data_files": [{"split": "train", "path": files}]}]
+    size = sum((built / f).stat().st_size for f in files)
+    split = {"name": "train", "num_bytes": size, "num_examples": 7}
+    assert metadata["dataset_info"] == {
+        "config_name": "default",
+        "splits": [split],
+        "download_size": size,
+        "dataset_size": size,
+    }
     facts = metadata["draftsmith"]
     assert (facts["complete"], facts["target"], facts["rows"], facts["prompts"]) == (True, "tiny", 7, 7)
     assert facts["answer_tokens"] == read_manifest(built)["counts"]["answer_tokens"]
     assert facts["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
-    assert sorted(p.name for p in (built / "data").iterdir()) == [f"train-r0-0000{i}.parquet" for i in range(3)]
+    assert sorted(f"data/{p.name}" for p in (built / "data").iterdir()) == files
     # The datasets library reads the folder by its card alone.
     loaded = datasets.load_dataset(str(built), split="train", cache_dir=str(built.parent / "hf-cache"))
     assert sorted(loaded["prompt_id"]) == sorted(load_built(built)["prompt_id"])
@@ -83,14 +94,15 @@ def test_an_incomplete_build_trains_only_when_asked(built):
 @pytest.mark.parametrize("damage", ["truncated", "a folder in its place", "removed"])
 def test_a_damaged_shard_is_named_and_building_again_repairs_it(built, model, tokenizer, capsys, damage):
     before = rows_by_key(built)
-    shard = built / "data" / "train-r0-00001.parquet"
+    shard = shard_paths(built)[1]
+    relative = shard.relative_to(built).as_posix()
     data = shard.read_bytes()
     shard.unlink()
     if damage == "truncated":
         shard.write_bytes(data[:100])
     elif damage == "a folder in its place":
         shard.mkdir()
-    named = "the shard data/train-r0-00001.parquet is damaged" if damage != "removed" else "a shard was removed"
+    named = f"the shard {relative} is damaged" if damage != "removed" else "a shard was removed"
     with pytest.raises(DraftsmithError, match=f"{named}.*run draftsmith data on {built} again"):
         check_trusted(built, "tiny")
     if damage != "removed":
@@ -98,7 +110,7 @@ def test_a_damaged_shard_is_named_and_building_again_repairs_it(built, model, to
             load_built(built)
     build(built, model, tokenizer, records(7))
     if damage != "removed":
-        assert "data/train-r0-00001.parquet is damaged; rebuilding its rows" in capsys.readouterr().err
+        assert f"{relative} is damaged; rebuilding its rows" in capsys.readouterr().err
     after = rows_by_key(built)
     assert {k: r["answer_ids"] for k, r in after.items()} == {k: r["answer_ids"] for k, r in before.items()}
     check_trusted(built, "tiny")
@@ -118,7 +130,7 @@ def test_the_old_layout_loads_and_is_converted_once(built, model, tokenizer, cap
     rows = load_built(built)
     old = built / "shards"
     for path in shard_paths(built):  # the folder as the layout before wrote it
-        name = path.stem.replace("train-", "shard-")
+        name = path.stem.replace(f"train-{read_manifest(built)['id']}-", "shard-")
         datasets.Dataset.from_parquet(str(path), cache_dir=str(built.parent / "hf")).save_to_disk(str(old / name))
         (built / "teacher-cache-k4" / name).mkdir(parents=True)
         (built / "teacher-cache-k4" / name / "meta.json").write_text("{}")
@@ -131,8 +143,9 @@ def test_the_old_layout_loads_and_is_converted_once(built, model, tokenizer, cap
     build(built, model, tokenizer, records(7))
     assert capsys.readouterr().out.count("converted 3 shard(s) of the old layout (shards/) to data/*.parquet") == 1
     assert not old.exists()
-    assert [p.name for p in shard_paths(built)] == [f"train-r0-0000{i}.parquet" for i in range(3)]
-    assert sorted(p.name for p in (built / "teacher-cache-k4").iterdir()) == [f"train-r0-0000{i}" for i in range(3)]
+    names = [f"train-{read_manifest(built)['id']}-r0-0000{i}" for i in range(3)]  # converted and given the id
+    assert [p.name for p in shard_paths(built)] == [f"{name}.parquet" for name in names]
+    assert sorted(p.name for p in (built / "teacher-cache-k4").iterdir()) == names
     assert load_built(built)["answer_ids"] == rows["answer_ids"]
     build(built, model, tokenizer, records(7))
     assert "converted" not in capsys.readouterr().out
@@ -157,3 +170,47 @@ def test_a_killed_conversion_resumes(built, model, tokenizer):
     assert not (built / "shards").exists()
     assert load_built(built)["answer_ids"] == rows["answer_ids"]
     shutil.rmtree(built.parent / "hf", ignore_errors=True)
+
+
+LOADS = """
+import json, sys
+import datasets
+from tests.distill.test_dataset_builder import build, records
+from tests.helpers import tiny_llama, tiny_tokenizer
+
+first, second = sys.argv[1:]
+model, tokenizer = tiny_llama(vocab=32, sharpness=8.0), tiny_tokenizer(32)
+
+def ids(folder):
+    return sorted(datasets.load_dataset(folder, split="train")["prompt_id"])
+
+seen = {"first": ids(first), "second": ids(second)}
+build(first, model, tokenizer, records(8))  # four rows more, into the folder just loaded
+seen["first, appended"] = ids(first)
+seen["second, again"] = ids(second)
+print(json.dumps(seen))
+"""
+
+
+def test_two_folders_of_one_name_and_an_append_each_load_their_own_rows(tmp_path, model, tokenizer):
+    first, second = tmp_path / "a" / "ds", tmp_path / "b" / "ds"
+    build(first, model, tokenizer, records(4))
+    build(second, model, tokenizer, records(4, start=10))
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf-cache"), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", LOADS, str(first), str(second)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parents[2],
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "first": ["p0", "p1", "p2", "p3"],
+        "second": ["p10", "p11", "p12", "p13"],
+        "first, appended": [f"p{k}" for k in range(8)],
+        "second, again": ["p10", "p11", "p12", "p13"],
+    }
+    assert len(list((tmp_path / "hf-cache" / "ds").rglob("dataset_info.json"))) == 3  # one entry per state
