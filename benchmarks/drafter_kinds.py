@@ -46,7 +46,6 @@ from draftsmith.distill.drafts.eagle3 import EagleHead, unroll
 from draftsmith.distill.drafts.kind import Batch
 from draftsmith.distill.drafts.parallel import ParallelDraft, every_chain
 from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
-from draftsmith.specdec.measure.baseline import measure_baseline
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 from draftsmith.specdec.tree import TreeShape
@@ -126,13 +125,12 @@ def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dty
         repeats=args.repeats,
         progress=False,
     )
-    baseline = measure_baseline(target, tokenizer, settings)
     trees = tuple(TreeShape.parse(t) for t in args.trees)
     result = {}
     for name, folder in folders.items():
         draft = decoding_draft(folder, target, eos)
         agreement = greedy_agreement(draft, target, batch, args.positions)
-        measured = measure_draft(target, draft, tokenizer, settings, args.gammas, trees=trees, baseline=baseline)
+        measured = measure_draft(target, draft, tokenizer, settings, args.gammas, trees=trees)
         result[name] = {"greedy_alpha_per_position": agreement, **figures(measured)}
         print(row(name, result[name]))
     return result

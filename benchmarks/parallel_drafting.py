@@ -38,9 +38,8 @@ from kind_runs import answers_batch, decoding_draft, train_for
 from draftsmith.distill import vocab_cut
 from draftsmith.distill.drafts.parallel import ParallelDraft, position_acceptance
 from draftsmith.distill.losses import row_acceptance
+from draftsmith.specdec.clock import Clock
 from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
-from draftsmith.specdec.measure.baseline import measure_baseline
-from draftsmith.specdec.measure.clock import Clock
 from draftsmith.specdec.measure.pair import evaluate_pair
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
@@ -106,7 +105,7 @@ def predicted(acceptance: list[float], gamma: int, forwards: int, c: float, v: f
     return tokens / (forwards * c + v)
 
 
-def measure(draft, target, tokenizer, eos, acceptance: list[float], parallel: bool, args, baseline) -> dict:
+def measure(draft, target, tokenizer, eos, acceptance: list[float], parallel: bool, args) -> dict:
     """alpha, tau, c, v, measured and predicted speedup of ``draft`` at each of ``args.gammas``."""
     prompts = read_prompts(PROMPTS)[: args.prompts]
     rows = {}
@@ -119,7 +118,7 @@ def measure(draft, target, tokenizer, eos, acceptance: list[float], parallel: bo
             repeats=args.repeats,
             progress=False,
         )
-        r = evaluate_pair(target, draft, tokenizer, settings, baseline=baseline)
+        r = evaluate_pair(target, draft, tokenizer, settings)
         c, v = r["cost_ratio_c"], r["verify_ratio_v"]
         rows[gamma] = {
             "acceptance_rate": r["acceptance_rate"],
@@ -144,14 +143,6 @@ def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dty
     prompts = [encode_chat(tokenizer, p.turns[0]) for p in read_prompts(PROMPTS)[: args.heldout]]
     batch = answers_batch(target, tokenizer, prompts, args.max_new_tokens, eos)
     k, mask = cfg.kind_options["k"], cfg.kind_options["mask_token_id"]
-    settings = MeasureSettings(
-        read_prompts(PROMPTS)[: args.prompts],
-        max_new_tokens=args.max_new_tokens,
-        eos_ids=eos,
-        repeats=args.repeats,
-        progress=False,
-    )
-    baseline = measure_baseline(target, tokenizer, settings)
     result = {}
     for name, folder in folders.items():
         draft = decoding_draft(folder, target, eos)
@@ -167,7 +158,7 @@ def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dty
         result[name] = {
             "position_acceptance": acceptance,
             "cost_for_k": cost_for_k(target, draft.decoding_model() if parallel else draft, max(args.gammas), mask),
-            "gammas": measure(draft, target, tokenizer, eos, acceptance, parallel, args, baseline),
+            "gammas": measure(draft, target, tokenizer, eos, acceptance, parallel, args),
         }
     return result
 

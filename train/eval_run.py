@@ -2,31 +2,26 @@
 
 The report (``speedup_report.json``, ``.md``, ``speedup.png``) and ``best.json`` are rewritten after
 each draft, so an interruption loses nothing; drafts already measured with the same settings are
-not measured again. The drafts measured in one call share what does not depend on their weights:
-the target-only baseline of each temperature is timed once (``measure.baseline.measure_baseline``), and the
-cost ratio c once per draft architecture and dtype (on the first draft of it), so the comparison
-between checkpoints is not moved by noise in either.
+not measured again. Every draft is measured side by side with the target alone: its speedup, c and v
+come from runs of the two decoders interleaved batch by batch (``speedup.measure_draft``). Nothing is
+timed once and shared between drafts: on a shared machine a slow or fast minute would then land in
+every later ratio, and a checkpoint's rank would follow the machine's load instead of its weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill.drafts import kind_of_folder, load_draft
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dtype
-from draftsmith.specdec.measure.baseline import Baseline, measure_baseline
 from draftsmith.specdec.measure.settings import MeasureSettings
-from draftsmith.specdec.measure.tables import spread
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
@@ -100,8 +95,6 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
         repeats=settings.repeats,
         progress=settings.progress,
     )
-    costs = report["draft_cost_ratios"]
-    shared = SharedMeasurements(target, tokenizer, measure, settings.gammas, settings.trees, costs)
     for name, step, folder in drafts:
         for temp in settings.temperatures:
             if str(temp) in report["results"].get(name, {}):
@@ -110,11 +103,11 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
             if ranking and kind_of_folder(folder).cuts_head:
                 draft = draft_vocab.SubsetHeadDraft(draft, ranking, eos)
             print(f"measuring {name} at temperature {temp}")
-            key = architecture(folder, report["dtype"], draft_vocab_size)
-            result = shared.measure(name, draft, key, temperature=temp)
+            result = speedup.measure_draft(
+                target, draft, tokenizer, at_temperature(measure, temp), settings.gammas, trees=settings.trees
+            )
             check_measured(result, name, settings.max_new_tokens)
             report["results"].setdefault(name, {})[str(temp)] = {"step": step, **result}
-            report["baselines"][str(temp)] = shared.baseline_figures(temp)
             speedup.write_report(run_dir, report)
     report["best"] = speedup.write_report(run_dir, report)
     return report
@@ -137,8 +130,9 @@ def start_report(
     }
     report = speedup.load_report(run_dir)
     changed = any(report.get(k) != v for k, v in measured_under.items())
-    if settings.force or changed or "draft_cost_ratios" not in report:
-        report = {"results": {}, "draft_cost_ratios": {}, "baselines": {}}
+    # A report from before every draft was timed beside its own baseline is measured again.
+    if settings.force or changed or report.get("side_by_side") is not True:
+        report = {"results": {}, "side_by_side": True}
     report.update(
         measured_under,
         run=str(run_dir),
@@ -149,62 +143,9 @@ def start_report(
     return report
 
 
-def architecture(folder: Path, dtype: str, draft_vocab_size: int) -> str:
-    """What a draft's step time depends on, as a key: its kind's label and saved config, the dtype
-    and the head cut; not its weights, so ``initial/`` and the checkpoints of a run share it."""
-    label, saved = kind_of_folder(folder).architecture(folder)
-    config = {k: v for k, v in saved.items() if k not in ("_name_or_path", "transformers_version")}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
-    head = f"head {draft_vocab_size}" if draft_vocab_size else "full head"
-    return f"{label} {digest}, {dtype}, {head}"
-
-
-@dataclass
-class SharedMeasurements:
-    """What the drafts measured in one eval-run share: the target-only baseline of each temperature
-    (timed on first use) and the cost ratio c of each draft architecture (``costs``: the report's
-    ``draft_cost_ratios``, filled by the first draft of each architecture)."""
-
-    target: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    settings: MeasureSettings  # greedy; each temperature measures with its own sampling
-    gammas: list[int]
-    trees: tuple[TreeShape, ...]
-    costs: dict[str, dict]
-    baselines: dict[float, Baseline] = field(default_factory=dict)
-
-    def at(self, temperature: float) -> MeasureSettings:
-        """The settings of the measurements at ``temperature``."""
-        return dataclasses.replace(self.settings, options=DecodeOptions(sampling=SamplingParams(temperature)))
-
-    def baseline(self, temperature: float) -> Baseline:
-        if temperature not in self.baselines:
-            self.baselines[temperature] = measure_baseline(self.target, self.tokenizer, self.at(temperature))
-        return self.baselines[temperature]
-
-    def baseline_figures(self, temperature: float) -> dict:
-        """The target-only tokens/s of the baseline at ``temperature``: median, min and max over repeats."""
-        return {"target_tokens_per_s": spread([t.tokens_per_s for t in self.baseline(temperature).repeats])}
-
-    def measure(self, name: str, draft, key: str, temperature: float) -> dict:
-        """``speedup.measure_draft`` against the shared baseline, with the c of ``key`` when it is known."""
-        known = self.costs.get(key)
-        result = speedup.measure_draft(
-            self.target,
-            draft,
-            self.tokenizer,
-            self.at(temperature),
-            self.gammas,
-            trees=self.trees,
-            baseline=self.baseline(temperature),
-            cost_ratio=known["cost_ratio_c"] if known else None,
-        )
-        if known is None:
-            known = {**result["measured_cost_ratio"], "measured_on": name, "temperature": temperature}
-            if not math.isnan(known["cost_ratio_c"]):  # a run that measured nothing is refused after this
-                self.costs[key] = known
-        result.update(cost_ratio_c_spread=known["cost_ratio_c_spread"], cost_ratio_c_measured_on=known["measured_on"])
-        return result
+def at_temperature(settings: MeasureSettings, temperature: float) -> MeasureSettings:
+    """``settings`` with sampling at ``temperature`` (the settings object measures greedily)."""
+    return dataclasses.replace(settings, options=DecodeOptions(sampling=SamplingParams(temperature)))
 
 
 def check_measured(result: dict, name: str, max_new_tokens: int) -> None:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,7 +24,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.drafters import round_forwards
 from draftsmith.specdec.files import atomic_path, write_text
-from draftsmith.specdec.measure.baseline import Baseline
 from draftsmith.specdec.measure.pair import evaluate_pair
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.theory import alpha_from_tau, predicted_speedup
@@ -54,31 +54,30 @@ def measure_draft(
     gammas: list[int],
     *,
     trees: tuple[TreeShape, ...] = (),
-    baseline: Baseline | None = None,
-    cost_ratio: float | None = None,
 ) -> dict:
     """The best gamma for one draft, and alpha, tau, c, v and the speedup measured there; with ``trees``,
     each shape's figures (``trees``) and the shape chosen over the chain, if any (``best_tree``).
 
     settings: what is measured; its options give the sampling (the temperature the result names),
-    their gamma is each of ``gammas`` in turn. baseline: the target-only runs under these settings,
-    timed once for several drafts (``measure.baseline.measure_baseline``). cost_ratio: c of this
-    draft's architecture and dtype measured before, on another draft of it (a draft's weights do not
-    change its step time, so the drafts of a run share one c); None takes c from the run at the base
-    gamma. ``measured_cost_ratio``: c as this draft's own run at the base gamma measured it."""
+    their gamma is each of ``gammas`` in turn. Every figure comes from runs of this draft with the
+    target-only decoder interleaved (``evaluate_pair``): nothing is timed once and reused, so the
+    drafts of a run are compared by ratios each measured in its own minutes.
+    ``measured_cost_ratio``: c as the run at the base gamma measured it."""
     base = 4 if 4 in gammas else sorted(gammas)[len(gammas) // 2]
 
     def run(**options) -> dict:
         at = dataclasses.replace(settings, options=dataclasses.replace(settings.options, **options))
-        return evaluate_pair(target, draft, tokenizer, at, baseline=baseline)
+        return evaluate_pair(target, draft, tokenizer, at)
 
     first = run(gamma=base)
     # The prediction needs the per-position acceptance, which accepted / proposed understates for
     # gamma > 1 (tokens after a rejection count as proposed); tau at the base gamma gives it.
     alpha = alpha_from_tau(first["mean_accepted_tokens"] or 1.0, base)
-    c = first["cost_ratio_c"] if cost_ratio is None else cost_ratio
+    cost = cost_by_gamma(draft, gammas, base, first, run)
     v = first["verify_ratio_v"]
-    predicted = {g: predicted_speedup(alpha, g, c, 1 + (v - 1) * g / base, round_forwards(draft, g)) for g in gammas}
+    predicted = {
+        g: predicted_speedup(alpha, g, cost(g), 1 + (v - 1) * g / base, round_forwards(draft, g)) for g in gammas
+    }
     best_gamma = max(predicted, key=predicted.get)
     confirmed = first if best_gamma == base else run(gamma=best_gamma)
     measured_alpha = confirmed["acceptance_rate"]
@@ -86,11 +85,14 @@ def measure_draft(
         "temperature": settings.options.sampling.temperature,
         "best_gamma": best_gamma,
         **{k: confirmed[k] for k in FIGURES},  # measured at the best gamma
-        "cost_ratio_c": c,
         "predicted_speedup": None
         if measured_alpha is None
         else predicted_speedup(
-            measured_alpha, best_gamma, c, confirmed["verify_ratio_v"], round_forwards(draft, best_gamma)
+            measured_alpha,
+            best_gamma,
+            confirmed["cost_ratio_c"],
+            confirmed["verify_ratio_v"],
+            round_forwards(draft, best_gamma),
         ),
         "measured_cost_ratio": {k: first[k] for k in ("cost_ratio_c", "cost_ratio_c_spread")},
         "alpha_per_position": alpha,  # estimated from tau at the base gamma
@@ -104,6 +106,22 @@ def measure_draft(
         result["trees"] = {shape: {k: r[k] for k in (*FIGURES, "nodes_per_round")} for shape, r in measured.items()}
         result["best_tree"] = choose_tree(result)
     return result
+
+
+def cost_by_gamma(draft: torch.nn.Module, gammas: list[int], base: int, first: dict, run) -> Callable[[int], float]:
+    """c as a function of gamma, for predicting each gamma from the run at the base gamma (``first``).
+
+    A draft that proposes one token per forward costs the same per forward at every gamma: c is the
+    base run's. A draft that proposes a block in one forward (``round_forwards`` below gamma) pays
+    for a forward over the whole block, so its c grows with gamma: it is also measured at the
+    smallest gamma (``run``) and taken as linear in gamma through the two measurements."""
+    c_base = first["cost_ratio_c"]
+    low = min(gammas)
+    if round_forwards(draft, base) == base or low == base:
+        return lambda gamma: c_base
+    c_low = run(gamma=low)["cost_ratio_c"]
+    slope = (c_base - c_low) / (base - low)
+    return lambda gamma: max(c_low + slope * (gamma - low), 1e-6)
 
 
 def choose_tree(result: dict) -> str | None:
@@ -180,8 +198,9 @@ def _markdown(report: dict) -> str:
         f"hardware: {report['hardware']}. Speedup = speculative tokens/s / target-only tokens/s, measured "
         "at the best gamma (chosen from measured alpha and c, then measured).",
         "",
-        "| draft | step | temperature | alpha | tau | c | best gamma | predicted | measured speedup | greedy match |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| draft | step | temperature | alpha | tau | c | best gamma | target tokens/s | predicted | measured speedup "
+        "| greedy match |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     if trees:
         lines[2] += (
@@ -200,41 +219,22 @@ def _markdown(report: dict) -> str:
             lines.append(
                 f"| {name}{mark} | {r['step']} | {temp} | {r['acceptance_rate']:.3f} | "
                 f"{r['mean_accepted_tokens']:.2f} | {r['cost_ratio_c']:.3f} | {r['best_gamma']} | "
-                f"{r['predicted_speedup']:.2f} | {r['speedup']:.2f}{_range(r)} | {match} |"
+                f"{r['target_tokens_per_s']:.1f} | {r['predicted_speedup']:.2f} | "
+                f"{r['speedup']:.2f}{_range(r)} | {match} |"
                 + (f" {_tree_cell(r)} |" if trees else "")
             )
     return "\n".join(lines) + "\n"
 
 
 def _shared_lines(report: dict) -> list[str]:
-    """What the drafts were measured against: the target-only baseline per temperature and c per draft
-    architecture, each measured once and shared, with their min-max over repeats."""
-    baselines = [
-        f"T={temp}: {_median_range(b['target_tokens_per_s'], '.1f')} tokens/s"
-        for temp, b in sorted(report["baselines"].items())
-    ]
-    costs = [
-        f"{key}: {_median_range(c['cost_ratio_c_spread'], '.3f')} (on {c['measured_on']})"
-        for key, c in sorted(report["draft_cost_ratios"].items())
-    ]
-    if not baselines and not costs:
-        return []
+    """How the drafts were measured: each beside its own target-only runs, and how the best is chosen."""
     return [
-        "Measured once and shared by the drafts (min-max over repeats in brackets): the target-only baseline, "
-        f"{'; '.join(baselines) or '-'}; c per draft architecture, {'; '.join(costs) or '-'}. A later draft is "
-        "marked best only when its lowest repeat beats the earlier choice's highest"
+        "Each draft is timed side by side with the target alone: the two decoders run interleaved batch by "
+        "batch in the same minutes, so every ratio (speedup, c, v) is its own run's. A later draft is marked "
+        "best only when its lowest repeat beats the earlier choice's highest"
         + (" (one repeat measures no spread: --repeats 3 gives one)." if report["repeats"] == 1 else "."),
         "",
     ]
-
-
-def _median_range(figure: dict | None, spec: str) -> str:
-    """``median (min-max)`` of a figure over repeats; the median alone when they agree (one repeat)."""
-    if figure is None:
-        return "-"
-    if figure["min"] == figure["max"]:
-        return f"{figure['median']:{spec}}"
-    return f"{figure['median']:{spec}} ({figure['min']:{spec}}-{figure['max']:{spec}})"
 
 
 def _tree_cell(result: dict) -> str:

@@ -9,7 +9,6 @@ options, length, stop tokens, seed, repeats, batch size. The modules, from the b
 - ``settings``: ``MeasureSettings``;
 - ``tally``: tokens and seconds of one decoder over one repeat;
 - ``runs``: the pair runner both timings share: batches, warm-up, repeats, the two decoders interleaved;
-- ``baseline``: target-only runs timed once and shared by several drafts;
 - ``pair``: ``evaluate_pair``, the bundled decoder beside the target alone;
 - ``figures``: the report's figures from the tallies (medians over repeats, per category);
 - ``tables``: plain-text tables and the spread of a figure over repeats;

@@ -10,13 +10,14 @@ forward over a level's nodes and a verification the one forward over all the tre
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 from transformers import PreTrainedModel
 
+from draftsmith.specdec.clock import eval_mode
 from draftsmith.specdec.decoder import DecodeStats, speculative_generate, target_generate
 from draftsmith.specdec.drafters import PairedDraft
-from draftsmith.specdec.measure.clock import eval_mode
 from draftsmith.specdec.options import DecodeOptions
 
 
@@ -45,24 +46,40 @@ def step_costs(baseline: DecodeStats, spec: DecodeStats, calls: int) -> tuple[fl
     return c, v
 
 
-def measure_cost_ratio(target: PreTrainedModel, draft: torch.nn.Module, prompt_len: int = 32, steps: int = 16) -> float:
+def measure_cost_ratio(
+    target: PreTrainedModel, draft: torch.nn.Module, prompt_len: int = 32, steps: int = 16, repeats: int = 3
+) -> float:
     """c = one draft decoding step / one target decoding step, each timed decoding alone (as the
     target-only baseline decodes), for a draft that is not being evaluated as a pair. A draft that
     decodes with its own pair (``drafters.PairedDraft``: it may need the target's hidden states) is
-    timed drafting in that pair instead: its draft time per draft forward (``step_costs``' c)."""
+    timed drafting in that pair instead: its draft time per draft forward (``step_costs``' c).
+
+    The two are timed side by side: ``repeats`` rounds of one target run then one draft run, c the
+    median of the rounds' ratios, so a slow minute on a shared machine lands on both sides of a ratio."""
     prompt = [[t % target.config.vocab_size for t in range(1, prompt_len + 1)]]
+    if isinstance(draft, PairedDraft):
+
+        def draft_step() -> float:
+            return paired_step_time(target, draft, prompt, steps)
+    else:
+
+        def draft_step() -> float:
+            return alone_step_time(draft, prompt, steps, warm=False)
+
     with eval_mode(target, draft):
-        target_step = alone_step_time(target, prompt, steps)
-        if isinstance(draft, PairedDraft):
-            draft_step = paired_step_time(target, draft, prompt, steps)
-        else:
-            draft_step = alone_step_time(draft, prompt, steps)
-    return draft_step / target_step
+        target_generate(target, prompt, 4)  # warm-up of both, not timed
+        draft_step()
+        ratios = []
+        for _ in range(repeats):
+            target_step = alone_step_time(target, prompt, steps, warm=False)
+            ratios.append(draft_step() / target_step)
+    return statistics.median(ratios)
 
 
-def alone_step_time(model: torch.nn.Module, prompt: list[list[int]], steps: int) -> float:
-    """Seconds of one single-token step of ``model`` decoding ``prompt`` alone, after a warm-up."""
-    target_generate(model, prompt, 4)
+def alone_step_time(model: torch.nn.Module, prompt: list[list[int]], steps: int, warm: bool = True) -> float:
+    """Seconds of one single-token step of ``model`` decoding ``prompt`` alone, after a warm-up (``warm``)."""
+    if warm:
+        target_generate(model, prompt, 4)
     return single_step_time(target_generate(model, prompt, steps + 1)[1])
 
 

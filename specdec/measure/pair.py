@@ -26,7 +26,6 @@ from draftsmith.specdec.compiled import compiled_graphs
 from draftsmith.specdec.decoder import decodes_compiled
 from draftsmith.specdec.drafters import round_forwards
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.measure.baseline import Baseline, usable_baseline
 from draftsmith.specdec.measure.figures import report_from_repeats
 from draftsmith.specdec.measure.hf_compare import HFComparison, configure_assistant
 from draftsmith.specdec.measure.runs import PairRun, run_repeats, warm_up, warm_up_sizes
@@ -42,14 +41,12 @@ def evaluate_pair(
     *,
     compare_hf: HFComparison | None = None,
     tune_verify: bool = True,
-    baseline: Baseline | None = None,
 ) -> dict:
     """Run the baseline and the speculative decoder side by side; return the report as a dict.
 
     settings: what is measured; ``settings.options`` is how the speculative decoder decodes (its
-    sampling is the baseline's too). baseline: target-only runs timed once for several drafts
-    (``baseline.measure_baseline``), used instead of timing the target here when they match these
-    settings (``baseline_shared`` in the report). compare_hf: stock copies of the pair to time
+    sampling is the baseline's too); the target-only baseline is timed here, interleaved with the
+    pair batch by batch, whatever was measured before. compare_hf: stock copies of the pair to time
     ``transformers`` on too; the assistant's generation config is set to draft ``options.gamma``
     tokens per round (``configure_assistant``), and the rounds are checked. tune_verify: at batch size
     1 and without widths in the options, pad verification passes to the widths
@@ -79,14 +76,11 @@ def evaluate_pair(
         configure_assistant(compare_hf.assistant.generation_config, options.gamma)
         HFComparison(compare_hf.target, compare_hf.assistant).time_prompt(warm, settings)  # warm-up, not counted
     greedy_matches: list[bool] = []
-    shared = usable_baseline(baseline, settings)
-    repeat_tallies, per_cat = run_repeats(
-        pair, compare_hf, greedy_matches, baseline=shared.repeats if shared is not None else None
-    )
+    repeat_tallies, per_cat = run_repeats(pair, compare_hf, greedy_matches)
     tree = options.tree is not None
     forwards = round_forwards(draft, options.gamma)
     report = report_from_repeats(repeat_tallies, per_cat, compare_hf, greedy_matches, options.gamma, tree, forwards)
-    report.update(settings_report(settings), baseline_shared=shared is not None, **compiled_report)
+    report.update(settings_report(settings), **compiled_report)
     return report
 
 

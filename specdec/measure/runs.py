@@ -29,7 +29,7 @@ class PairRun:
     """The pair under measurement, the settings both decoders share, and the generator they draw from."""
 
     target: PreTrainedModel
-    draft: torch.nn.Module | None  # None: the target-only baseline alone (``baseline.measure_baseline``)
+    draft: torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
     settings: MeasureSettings
     generator: torch.Generator = field(init=False)
@@ -93,31 +93,27 @@ def warm_up_sizes(settings: MeasureSettings, compiled: bool) -> set[int]:
 
 
 def warm_up(pair: PairRun, ids: list[int], batch_sizes: set[int]) -> None:
-    """Both decoders (the target alone without a draft) on ``ids`` at each of ``batch_sizes``: the first
+    """Both decoders on ``ids`` at each of ``batch_sizes``: the first
     calls pay for allocator growth and kernel selection, and in compiled mode for compiling and
     capturing the graphs of each batch size."""
     for size in sorted(batch_sizes):
         pair.generator.manual_seed(pair.settings.seed)
         pair.run_target([ids] * size)
-        if pair.draft is not None:
-            pair.run_spec([ids] * size)
+        pair.run_spec([ids] * size)
 
 
 def run_repeats(
     pair: PairRun,
     hf: HFComparison | None = None,
     greedy_matches: list[bool] | None = None,
-    baseline: list[Tally] | None = None,
 ) -> tuple[list[dict[str, Tally]], dict[str, dict[str, Tally]]]:
     """Every repeat (``run_repeat``) under one progress bar: each repeat's tallies, and the tallies per
-    category over all of them. The first repeat records greedy identity. baseline: the target-only
-    runs of each repeat, timed before (``Baseline.repeats``)."""
+    category over all of them. The first repeat records greedy identity."""
     settings = pair.settings
     prompts = settings.prompts
     per_cat: dict[str, dict[str, Tally]] = defaultdict(lambda: {"target": Tally(), "spec": Tally()})
     total = settings.repeats * max(len(p.turns) for p in prompts) * len(batches(prompts, settings.batch_size))
-    desc = "eval" if pair.draft is not None else "target-only baseline"
-    with tqdm(total=total, desc=desc, disable=not settings.progress, unit="batch") as bar:
+    with tqdm(total=total, desc="eval", disable=not settings.progress, unit="batch") as bar:
         tallies = [
             run_repeat(
                 pair,
@@ -126,7 +122,6 @@ def run_repeats(
                 hf,
                 greedy_matches if rep == 0 else None,
                 bar,
-                baseline=baseline[rep] if baseline is not None else None,
             )
             for rep in range(settings.repeats)
         ]
@@ -140,14 +135,11 @@ def run_repeat(
     hf: HFComparison | None,
     greedy_matches: list[bool] | None,
     bar: tqdm,
-    baseline: Tally | None = None,
 ) -> dict[str, Tally]:
     """One pass over every turn of every prompt, both decoders batch by batch; later turns see the
     target's earlier answers. Returns this repeat's tallies; also adds to ``per_cat`` and ``hf``,
-    and appends to ``greedy_matches`` (when given, in greedy runs) whether each output is the target's.
-    baseline: this repeat's target-only runs timed before, taken in order instead of running the target."""
+    and appends to ``greedy_matches`` (when given, in greedy runs) whether each output is the target's."""
     prompts = pair.settings.prompts
-    replay = iter(zip(baseline.outputs, baseline.stats, strict=True)) if baseline is not None else None
     tally = {"target": Tally(), "spec": Tally()}
     answers: dict[int, list[dict]] = {i: [] for i in range(len(prompts))}  # conversation so far
     for turn in range(max(len(p.turns) for p in prompts)):
@@ -157,17 +149,16 @@ def run_repeat(
             ids = [pair.encode(prompts[i], answers[i] + prompts[i].turns[turn]) for i in indices]
             # Same seed for both decoders: with sampling, the pair sees the same draws.
             pair.generator.manual_seed(seed)
-            base_out, base_stats = next(replay) if replay is not None else pair.run_target(ids)
+            base_out, base_stats = pair.run_target(ids)
             pair.generator.manual_seed(seed)
-            spec_out, spec_stats = pair.run_spec(ids) if pair.draft is not None else (None, None)
+            spec_out, spec_stats = pair.run_spec(ids)
             category = prompts[indices[0]].category
             tally["target"].outputs.append(base_out)
             for name, stats in (("target", base_stats), ("spec", spec_stats)):
-                if stats is not None:
-                    tally[name].add(stats)
-                    per_cat[category][name].add(stats)
+                tally[name].add(stats)
+                per_cat[category][name].add(stats)
             for row, i in enumerate(indices):
-                if greedy_matches is not None and spec_out is not None and pair.settings.options.sampling.greedy:
+                if greedy_matches is not None and pair.settings.options.sampling.greedy:
                     greedy_matches.append(spec_out[row] == base_out[row])
                 reply = pair.tokenizer.decode(base_out[row], skip_special_tokens=True)
                 answers[i] = answers[i] + prompts[i].turns[turn] + [{"role": "assistant", "content": reply}]

@@ -2,6 +2,7 @@
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from draftsmith.cli import main
 from draftsmith.specdec.decoder import target_generate
-from draftsmith.specdec.measure.baseline import measure_baseline
-from draftsmith.train import eval_run, models, speedup
+from draftsmith.specdec.measure import runs
+from draftsmith.train import models, speedup
 from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.loop import train
-from draftsmith.train.speedup import choose_best, measure_draft
+from draftsmith.train.speedup import choose_best
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -57,41 +58,82 @@ def test_eval_run_measures_every_checkpoint_once(run_dir, capsys):
     assert "measuring " not in capsys.readouterr().out  # nothing measured twice
 
 
-def test_eval_run_times_the_baseline_once_and_c_once_per_architecture(run_dir, monkeypatch, native_bfloat16):
-    baselines, given_c = [], []
+class PhaseClock:
+    """A ``time.perf_counter`` that ticks a fixed amount per call, so decoding times are counts of the
+    clock's reads and a measurement is the same every time; ``slow`` multiplies the tick from the
+    draft named ``slow_from`` on, as a machine that gets busy in the middle of an eval-run."""
 
-    def counted_baseline(target, tokenizer, settings):
-        baselines.append(settings.options.sampling.temperature)
-        return measure_baseline(target, tokenizer, settings)
+    def __init__(self, slow: float = 1.0, slow_from: str | None = None):
+        self.now, self.tick, self.slow, self.slow_from = 0.0, 1e-3, slow, slow_from
 
-    def recorded_measure(*args, **kwargs):
-        given_c.append(kwargs["cost_ratio"])
-        return measure_draft(*args, **kwargs)
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
 
-    monkeypatch.setattr(eval_run, "measure_baseline", counted_baseline)
-    monkeypatch.setattr(speedup, "measure_draft", recorded_measure)
+    def measuring(self, name: str) -> None:
+        if name == self.slow_from:
+            self.tick *= self.slow
+
+
+def measured_under(clock: PhaseClock, run_dir, monkeypatch, capsys) -> dict:
+    """eval-run of ``run_dir`` (greedy, two repeats, measured again) with ``clock`` as the time source."""
+    measure = speedup.measure_draft
+    names = iter(["initial", "checkpoint-2", "checkpoint-4"])
+
+    def measure_in_phase(*args, **kwargs):
+        clock.measuring(next(names))
+        return measure(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(speedup, "measure_draft", measure_in_phase)
+        patch.setattr(time, "perf_counter", clock)
+        assert main(["eval-run", str(run_dir), *EVAL, "--repeats", "2", "--force"]) == 0
+    capsys.readouterr()
+    return json.loads((run_dir / "speedup_report.json").read_text())
+
+
+def test_a_machine_slowing_down_mid_run_changes_no_ratio_and_no_ranking(run_dir, monkeypatch, capsys):
+    calm = measured_under(PhaseClock(), run_dir, monkeypatch, capsys)
+    busy = measured_under(PhaseClock(slow=4.0, slow_from="checkpoint-2"), run_dir, monkeypatch, capsys)
+    assert busy["side_by_side"] is True
+    for name in ("initial", "checkpoint-2", "checkpoint-4"):
+        before, after = calm["results"][name]["0.0"], busy["results"][name]["0.0"]
+        # Every figure is a ratio of two decoders timed in the same phase: the slowdown cancels.
+        for figure in ("speedup", "cost_ratio_c", "verify_ratio_v", "predicted_speedup"):
+            assert after[figure] == pytest.approx(before[figure], rel=1e-9), (name, figure)
+        assert after["best_gamma"] == before["best_gamma"]
+    slowed = busy["results"]["checkpoint-4"]["0.0"]["target_tokens_per_s"]
+    assert slowed == pytest.approx(calm["results"]["checkpoint-4"]["0.0"]["target_tokens_per_s"] / 4, rel=1e-9)
+    assert (busy["best"], busy["best_note"]) == (calm["best"], calm["best_note"])
+    table = (run_dir / "speedup_report.md").read_text()
+    assert "Each draft is timed side by side with the target alone" in table
+
+
+def test_eval_run_times_the_target_beside_every_draft(run_dir, monkeypatch, native_bfloat16, capsys):
+    calls = []
+    target_generate_, speculative_generate_ = runs.target_generate, runs.speculative_generate
+    monkeypatch.setattr(runs, "target_generate", lambda *a, **k: calls.append("T") or target_generate_(*a, **k))
+    monkeypatch.setattr(
+        runs, "speculative_generate", lambda *a, **k: calls.append("S") or speculative_generate_(*a, **k)
+    )
     assert main(["eval-run", str(run_dir), *EVAL, "--temperatures", "0,1", "--repeats", "2", "--force"]) == 0
-    assert baselines == [0.0, 1.0]  # one target-only baseline per temperature for the three drafts
+    capsys.readouterr()
+    # Each pair run (warm-up, then two repeats over two prompts) alternates the two decoders.
+    assert calls and calls == ["T", "S"] * (len(calls) // 2)
     report = json.loads((run_dir / "speedup_report.json").read_text())
-    [(key, shared)] = report["draft_cost_ratios"].items()  # the run's drafts share one architecture
+    assert "baselines" not in report and "draft_cost_ratios" not in report
     auto = "bfloat16" if native_bfloat16 else "float32"  # what --dtype auto picks on such a CPU
-    assert key.endswith(f"{auto}, full head") and shared["measured_on"] == "initial"
     assert report["dtype"] == auto
-    c = shared["cost_ratio_c"]
-    assert given_c == [None] + [c] * 5  # measured on the first draft, then given to the other five
-    assert report["results"]["initial"]["0.0"]["measured_cost_ratio"]["cost_ratio_c"] == c
-    for temp in ("0.0", "1.0"):
-        baseline = report["baselines"][temp]["target_tokens_per_s"]
-        assert baseline["min"] <= baseline["median"] <= baseline["max"]
-        for by_temp in report["results"].values():
-            r = by_temp[temp]
-            assert (r["cost_ratio_c"], r["cost_ratio_c_measured_on"]) == (c, "initial")
-            assert r["target_tokens_per_s"] == baseline["median"]
+    rates = set()
+    for by_temp in report["results"].values():
+        for r in by_temp.values():
             assert r["speedup_spread"]["min"] <= r["speedup"] <= r["speedup_spread"]["max"]
+            assert r["measured_cost_ratio"]["cost_ratio_c"] == r["at_base_gamma"]["cost_ratio_c"]
+            rates.add(r["target_tokens_per_s"])
+    assert len(rates) == 6  # each draft and temperature timed its own target runs
     greedy = {name: r["0.0"] for name, r in report["results"].items()}
     assert (report["best"], report["best_note"]) == choose_best(greedy)
     table = (run_dir / "speedup_report.md").read_text()
-    assert "Measured once and shared by the drafts" in table and "(on initial)" in table
     for name, r in greedy.items():
         low, high = r["speedup_spread"]["min"], r["speedup_spread"]["max"]
         assert low == high or f"{r['speedup']:.2f} ({low:.2f}-{high:.2f})" in table, name

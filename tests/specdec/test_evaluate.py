@@ -1,13 +1,12 @@
 """The speedup model and the report: per-position acceptance recovered from tokens per round, cost
-ratios from the decoders' timings, medians over repeats, a target-only baseline shared by drafts."""
+ratios from the decoders' timings, medians over repeats, the target timed beside every draft."""
 
 import dataclasses
-import statistics
 
 import pytest
 
-from draftsmith.specdec.decoder import DecodeStats, target_generate
-from draftsmith.specdec.measure.baseline import measure_baseline
+from draftsmith.specdec.decoder import DecodeStats
+from draftsmith.specdec.measure import runs
 from draftsmith.specdec.measure.costs import step_costs
 from draftsmith.specdec.measure.figures import report_from_repeats
 from draftsmith.specdec.measure.pair import evaluate_pair
@@ -15,7 +14,7 @@ from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.tally import Tally
 from draftsmith.specdec.measure.theory import alpha_from_tau, predicted_speedup
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.prompts import Prompt, encode_chat
+from draftsmith.specdec.prompts import Prompt
 from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
 
 
@@ -77,26 +76,27 @@ def test_step_costs_leave_out_each_calls_draft_prefill():
     assert step_costs(baseline, spec, calls=3) == pytest.approx((0.2, 2.0))
 
 
-def test_drafts_measured_against_one_baseline_share_its_target_runs():
+def test_every_pair_times_its_own_target_runs_interleaved_with_the_drafts(monkeypatch):
     target, tokenizer = tiny_llama(vocab=32, sharpness=8.0), tiny_tokenizer(32)
     prompts = [
         Prompt(str(i), category, [[{"role": "user", "content": f"w{3 + i} w{10 + i}"}]])
         for i, category in enumerate(["writing", "writing", "math"])
     ]
     settings = MeasureSettings(prompts, max_new_tokens=12, seed=0, repeats=2, progress=False)
-    baseline = measure_baseline(target, tokenizer, settings)
-    assert [len(t.stats) for t in baseline.repeats] == [3, 3]  # one call per prompt, per repeat
-    assert (
-        baseline.repeats[0].outputs[0] == target_generate(target, [encode_chat(tokenizer, prompts[0].turns[0])], 12)[0]
+    at_gamma_2 = dataclasses.replace(settings, options=DecodeOptions(gamma=2))
+    calls = []
+    target_generate_, speculative_generate_ = runs.target_generate, runs.speculative_generate
+    monkeypatch.setattr(runs, "target_generate", lambda *a, **k: calls.append("T") or target_generate_(*a, **k))
+    monkeypatch.setattr(
+        runs, "speculative_generate", lambda *a, **k: calls.append("S") or speculative_generate_(*a, **k)
     )
-    target_rate = statistics.median(t.tokens_per_s for t in baseline.repeats)
+    rates = []
     for noise in (0.2, 0.6):
-        draft = noisy_copy(target, noise)
-        at_gamma_2 = dataclasses.replace(settings, options=DecodeOptions(gamma=2))
-        report = evaluate_pair(target, draft, tokenizer, at_gamma_2, baseline=baseline)
-        assert report["baseline_shared"] is True
-        assert report["target_tokens_per_s"] == target_rate  # the baseline's timing, not a new one
-        assert report["greedy_match"] == 1.0  # against the baseline's recorded outputs
-    # Runs under other settings are not the ones this call would time: it times the target itself.
-    other = evaluate_pair(target, draft, tokenizer, dataclasses.replace(at_gamma_2, seed=1), baseline=baseline)
-    assert other["baseline_shared"] is False and other["target_tokens_per_s"] != target_rate
+        calls.clear()
+        report = evaluate_pair(target, noisy_copy(target, noise), tokenizer, at_gamma_2)
+        # The warm-up, then per repeat each of the three prompts (batch size 1): a target run beside a draft run.
+        assert calls == ["T", "S"] * (1 + 2 * 3)
+        assert report["greedy_match"] == 1.0
+        assert "baseline_shared" not in report
+        rates.append(report["target_tokens_per_s"])
+    assert rates[0] != rates[1]  # the second draft's target runs were timed again, not reused
