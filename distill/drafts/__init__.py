@@ -4,7 +4,9 @@
 - ``early_exit``: the target's first k layers (shared, with its KV cache) and an exit head, ``early_exit.py``;
 - ``parallel``: a standalone LM with a mask token that proposes K tokens in one forward (PARD), ``parallel.py``;
 - ``eagle3``: an EAGLE-3 head on the target's low, middle and high hidden states (one layer, its own
-  vocabulary), served by vLLM from the speculators layout, ``eagle3.py``.
+  vocabulary), served by vLLM from the speculators layout, ``eagle3.py``;
+- ``dflash``: Qwen3 decoder layers that fill a block of masks in one forward from the target's hidden
+  states (DFlash), served by vLLM's ``dflash`` method, ``dflash.py``.
 
 ``kind.py`` says what a kind answers. A new kind is one module with a ``KIND`` object and one entry
 in ``KINDS`` below (or ``register`` at run time); nothing else in draftsmith names a kind.
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.distill.drafts import eagle3, early_exit, lm, parallel
+from draftsmith.distill.drafts import dflash, eagle3, early_exit, lm, parallel
 from draftsmith.distill.drafts.kind import DraftKind, DraftSettings, Serving
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import load_model
@@ -33,7 +35,9 @@ __all__ = [
     "load_draft",
 ]
 
-KINDS: dict[str, DraftKind] = {kind.name: kind for kind in (lm.KIND, early_exit.KIND, parallel.KIND, eagle3.KIND)}
+KINDS: dict[str, DraftKind] = {
+    kind.name: kind for kind in (lm.KIND, early_exit.KIND, parallel.KIND, eagle3.KIND, dflash.KIND)
+}
 
 
 def register(kind: DraftKind) -> None:
