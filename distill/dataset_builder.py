@@ -215,6 +215,8 @@ def check_settings(folder: Path, settings: BuildSettings) -> dict | None:
         return None
     # Datasets from before engines were recorded were all made by the bundled decoder.
     old, new = {"engine": "draftsmith", **manifest["settings"]}, settings.to_dict()
+    if same_model(old["target"], new["target"]):  # the target's folder named another way (a link, a trailing /)
+        new["target"] = old["target"]
     name = changed_field(old, new)
     if name is not None:
         raise DraftsmithError(
@@ -231,8 +233,10 @@ def open_dataset(folder: Path, settings: BuildSettings, group: ProcessGroup, eng
     engine: the generating engine's description, recorded as this build's.
     """
     folder = Path(folder)
-    manifest = check_settings(folder, settings) or {"settings": settings.to_dict(), "seconds": 0.0}
-    manifest.update(settings=settings.to_dict(), engine=engine, complete=False)  # complete once this build ends
+    existing = check_settings(folder, settings)
+    manifest = existing or {"settings": settings.to_dict(), "seconds": 0.0}
+    recorded = settings.to_dict() | ({"target": existing["settings"]["target"]} if existing else {})
+    manifest.update(settings=recorded, engine=engine, complete=False)  # complete once this build ends
     group.barrier()  # every process has read the folder before the main process writes to it
     if group.is_main:
         for stale in folder.glob("**/.*.tmp"):

@@ -21,6 +21,7 @@ log-probs (the same top-k of the same log-softmax, in the engine's own kernels).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -136,12 +137,25 @@ def dataset_entries(folder: Path, examples: list[dict], dtype: str, top_k: int, 
     kinds = (read_manifest(folder) or {}).get("teacher_cache", {})
     usable = sorted(int(k) for k, record in kinds.items() if int(k) >= top_k and record["dtype"] == dtype)
     if not usable:
+        if kinds:  # a rebuild is never silent: name what the folder carries and why it does not serve
+            carried = ", ".join(f"top-{k} in {record['dtype']}" for k, record in sorted(kinds.items()))
+            print(
+                f"teacher cache: {folder} carries {carried}; this run asks top-{top_k} in {dtype} (a cache serves "
+                "a run of its dtype and a top-k up to its own), so the target computes its own",
+                file=sys.stderr,
+            )
         return None
     by_digest: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
     for shard in shard_paths(folder):
         cached = cache_folder(folder, usable[0]) / shard_name(shard)
-        if not (cached / "meta.json").is_file():
-            return None  # rows added after the cache was built
+        if not (cached / "meta.json").is_file():  # rows added after the cache was built
+            print(
+                f"teacher cache: {cache_folder(folder, usable[0])} has no entries for the shard {shard_name(shard)} "
+                f"(rows added later; draftsmith data --teacher-cache {usable[0]} adds them), so the target computes "
+                "its own",
+                file=sys.stderr,
+            )
+            return None
         whole = dict(teacher_cache.read_entries(cached))
         rows = read_shard(shard)
         for full, cut in zip(row_examples(rows), row_examples(rows, max_length), strict=True):

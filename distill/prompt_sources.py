@@ -156,7 +156,10 @@ def load_rows(spec: str, config: str | None = None, split: str = "train") -> dat
         try:
             loaded = datasets.load_from_disk(str(path))
         except FileNotFoundError as err:
-            raise DraftsmithError(f"{spec} is a folder but not one written by datasets' save_to_disk") from err
+            raise DraftsmithError(
+                f"{spec} is a folder but neither a draftsmith data folder (no manifest.json) nor one written by "
+                "datasets' save_to_disk; give such a folder, or a .jsonl, .json, .csv or .parquet file"
+            ) from err
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
                 raise DraftsmithError(f"{spec} has no split {split!r}; it has {', '.join(loaded)} (use --split)")
@@ -166,12 +169,18 @@ def load_rows(spec: str, config: str | None = None, split: str = "train") -> dat
         kind = FILE_KINDS.get(path.suffix.lower())
         if kind is None:
             raise DraftsmithError(f"{spec}: unsupported file type {path.suffix!r}; use .jsonl, .json, .csv or .parquet")
+        if path.stat().st_size == 0:
+            raise DraftsmithError(f"{spec} is empty; give a file with one prompt per row")
         if kind == "json":
             check_json_file(path)  # a bad line named, not the datasets library's generic error
         try:
             return datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as err:  # datasets raises many types for a malformed file
             raise DraftsmithError(f"{spec} could not be read as {kind}: {err}") from err
+    if path.exists():
+        raise DraftsmithError(
+            f"{spec} is not a regular file (a device or pipe); give a .jsonl, .json, .csv or .parquet file"
+        )
     if path.suffix.lower() in FILE_KINDS or spec.startswith((".", "/", "~")):
         raise DraftsmithError(f"prompt file not found: {spec}")
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -67,8 +68,12 @@ def build(
     """Run the target once over ``examples`` and write the top-k cache into ``folder``."""
     if (folder / "meta.json").is_file():
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
     digests, examples = unique_examples(examples)  # a repeated example is run once
+    made_by = {"target": target.name_or_path, "dtype": str(target.dtype).removeprefix("torch."), "top_k": top_k}
+    made_by["content"] = content_digest(digests)
+    if progress:
+        say_why_not_reused(folder, made_by)
+    folder.mkdir(parents=True, exist_ok=True)
     n_shards = (len(examples) + shard_size - 1) // shard_size
     tokens = 0
     for shard in tqdm(range(n_shards), desc="teacher cache", disable=not progress, unit="shard"):
@@ -85,8 +90,30 @@ def build(
             for i, row_ids, row_logps in zip(rows, top_ids.split(counts), top_logps.split(counts), strict=True):
                 ids[i], logps[i] = row_ids, row_logps
         tokens += write_shard(folder, shard, digests[shard * shard_size : (shard + 1) * shard_size], ids, logps)
-    write_meta(folder, len(examples), tokens, top_k, n_shards)
+    write_meta(folder, len(examples), tokens, top_k, n_shards, made_by)
     return folder
+
+
+def content_digest(digests: list[bytes]) -> str:
+    """What a cache was computed over, whatever the target, dtype or top-k: its examples in any order."""
+    return hashlib.sha256(b"".join(sorted(digests))).hexdigest()[:16]
+
+
+def say_why_not_reused(folder: Path, wanted: dict) -> None:
+    """A cache of the same examples beside ``folder`` made another way: name it and what differs, so a
+    rebuild is never silent (stderr)."""
+    for meta_path in sorted(folder.parent.glob("*/meta.json")):
+        meta = json.loads(meta_path.read_text())
+        if meta.get("content") != wanted["content"]:
+            continue
+        keys = [key for key in ("top_k", "dtype", "target") if meta.get(key) != wanted[key]]
+        differs = [f"{key} {meta.get(key)} (this run: {wanted[key]})" for key in keys]
+        print(
+            f"teacher cache: {meta_path.parent} holds these examples but was made with {', '.join(differs)}; "
+            "computing a new one",
+            file=sys.stderr,
+        )
+        return
 
 
 def rows_top_k(target: PreTrainedModel, batch: dict, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,9 +175,11 @@ def write_shard(
     return sum(counts)
 
 
-def write_meta(folder: Path, examples: int, tokens: int, top_k: int, shards: int) -> None:
-    """meta.json, written last: a cache folder without it is incomplete."""
+def write_meta(folder: Path, examples: int, tokens: int, top_k: int, shards: int, made_by: dict | None = None) -> None:
+    """meta.json, written last: a cache folder without it is incomplete. made_by: the target, dtype and
+    content digest it was computed with (how a cache made another way is named when not reused)."""
     meta = {"examples": examples, "tokens": tokens, "top_k": top_k, "shards": shards, "bytes_per_token": 6 * top_k}
+    meta |= made_by or {}
     write_text(folder / "meta.json", json.dumps(meta, indent=2))
 
 

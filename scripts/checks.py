@@ -12,10 +12,10 @@ from pathlib import Path
 
 from draftsmith.distill import dataset_builder
 from draftsmith.distill.tiny import char_tokenizer
-from draftsmith.options import parse_list
+from draftsmith.options import check_sampling, parse_list
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
-from draftsmith.specdec.loading import vocab_size
+from draftsmith.specdec.loading import check_model_files, context_length, vocab_size
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.train.config import RUN_CONFIG, DistillConfig
@@ -32,8 +32,19 @@ def check_run_inputs(cfg: DistillConfig) -> None:
             "or a run folder to resume"
         )
     folder = dataset_builder.built_folder(cfg.dataset)
+    if cfg.allow_incomplete and (folder is None or folder.parent == dataset_builder.SHIPPED):
+        raise DraftsmithError(
+            f"allow_incomplete=true applies to a draftsmith data folder still being built; dataset={cfg.dataset} "
+            "is not one (a shipped dataset is complete): leave allow_incomplete out"
+        )
     if folder is not None:
         dataset_builder.check_trusted(folder, cfg.target, cfg.allow_incomplete)
+    vocab = run_vocab_size(cfg)
+    if cfg.teacher_cache and vocab is not None and cfg.teacher_top_k > vocab:
+        raise DraftsmithError(
+            f"teacher_top_k={cfg.teacher_top_k} is more than the target's vocabulary ({vocab} tokens); "
+            f"give teacher_top_k <= {vocab}"
+        )
 
 
 def run_vocab_size(cfg: DistillConfig) -> int | None:
@@ -81,12 +92,24 @@ def check_measure_options(
     return gammas
 
 
+def check_gamma_fits(gamma: int | None, max_new_tokens: int, context: int | None) -> None:
+    """A gamma whose round, with the answer, fits in the target's context (a huge one would allocate
+    caches and masks for minutes before failing)."""
+    if gamma is not None and context is not None and gamma + max_new_tokens >= context:
+        raise DraftsmithError(
+            f"--gamma {gamma} with --max-new-tokens {max_new_tokens} does not fit the target's context ({context} "
+            f"tokens); give a gamma below {max(context - max_new_tokens, 1)}"
+        )
+
+
 def check_eval_options(args: argparse.Namespace) -> None:
     """``draftsmith eval``: options that contradict each other or do not apply, and the --json path."""
     if args.gamma is not None and args.tree is not None:
         raise DraftsmithError("--gamma sets a chain's length and --tree drafts a tree instead; give one of them")
     if args.tree is not None:
         TreeShape.parse(args.tree)
+    check_sampling(args.temperature, args.top_p)
+    check_gamma_fits(args.gamma, args.max_new_tokens, context_length(args.target))
     if args.temperature == 0:
         for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0)):
             if given:
@@ -97,5 +120,8 @@ def check_eval_options(args: argparse.Namespace) -> None:
         raise DraftsmithError(f"--repeats must be >= 1, got {args.repeats}")
     if args.json_out is not None:
         check_writable(Path(args.json_out), f"--json {args.json_out}")
+    for spec in (args.target, args.draft):
+        if Path(spec).expanduser().is_dir():
+            check_model_files(Path(spec).expanduser())
     check_draft_vocab(args.draft_vocab, vocab_size(args.target))
     read_prompts(args.prompts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from draftsmith.options import refuse_repeated
 from draftsmith.specdec.errors import DraftsmithError
 
 COMMANDS = {
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     module = importlib.import_module(COMMANDS[name][0])
     try:
+        refuse_repeated(rest)
         return module.main(rest) or 0
     except DraftsmithError as err:
         print(f"error: {err}", file=sys.stderr)

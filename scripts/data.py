@@ -32,11 +32,12 @@ from draftsmith.distill.engines import BundledEngine, GenerationEngine, VllmEngi
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, source_settings
 from draftsmith.distill.self_prompts import TOPICS, SelfPromptSettings
-from draftsmith.options import check_engine_options, engine_options
+from draftsmith.options import check_engine_options, check_sampling, engine_options
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
 from draftsmith.specdec.loading import (
     DEFAULT_TARGET,
+    context_length,
     eos_token_ids,
     load_model,
     load_tokenizer,
@@ -47,7 +48,7 @@ from draftsmith.specdec.loading import (
 )
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.vllm_client import served_model
-from draftsmith.specdec.vllm_server import ServeOptions, connect, serve
+from draftsmith.specdec.vllm_server import ServeOptions, check_engine_importable, connect, find_engine, serve
 
 EPILOG = f"""prompt sources (--prompts):
   self       the target writes user messages itself (--num-prompts of them; --topics to steer the mix)
@@ -221,6 +222,13 @@ def check_options(args: argparse.Namespace) -> None:
             raise DraftsmithError(f"{flag} must be >= 1, got {value}")
     if args.max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    context = context_length(args.target)
+    if context is not None and args.max_new_tokens >= context:
+        raise DraftsmithError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's context "
+            f"({context} tokens); give fewer"
+        )
+    check_sampling(args.temperature, args.top_p)
     if args.samples_per_prompt < 1:
         raise DraftsmithError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
     if args.temperature == 0:
@@ -246,6 +254,8 @@ def check_options(args: argparse.Namespace) -> None:
             )
     check_engine_options(args)
     check_writable(Path(args.output), f"--output {args.output}", folder=True)
+    if args.engine == "vllm" and args.engine_url is None:
+        check_engine_importable(find_engine())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
-from draftsmith.specdec.vllm_server import ServeOptions, find_engine
+from draftsmith.specdec.vllm_server import ServeOptions, check_engine_importable, find_engine
 from draftsmith.train import speedup
 from draftsmith.train.config import load_run_config
 from draftsmith.train.models import load_target
@@ -40,7 +40,7 @@ def engine_eval_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, parents=[engine_options("where the pair is also measured")])
     p.add_argument(
         "--engine-batch-sizes",
-        default=ENGINE_BATCH_SIZES,
+        default=None,
         help="--engine vllm: batch sizes measured in both engines; prompts repeat to fill a batch "
         f"(default: {ENGINE_BATCH_SIZES})",
     )
@@ -54,7 +54,10 @@ def check_engine_eval_options(args: argparse.Namespace, unsupported: dict[str, o
     """
     check_engine_options(args)
     if args.engine != "vllm":
+        if args.engine_batch_sizes is not None:
+            raise DraftsmithError("--engine-batch-sizes applies to --engine vllm")
         return []
+    args.engine_batch_sizes = args.engine_batch_sizes or ENGINE_BATCH_SIZES
     if args.engine_url is not None:
         raise DraftsmithError(
             "--engine-url: the comparison starts its own two servers (the target alone and with the draft)"
@@ -65,7 +68,7 @@ def check_engine_eval_options(args: argparse.Namespace, unsupported: dict[str, o
     sizes = parse_list(args.engine_batch_sizes, int, "engine-batch-sizes")
     if any(size < 1 for size in sizes):
         raise DraftsmithError(f"--engine-batch-sizes must be >= 1, got {args.engine_batch_sizes}")
-    find_engine()  # a missing vLLM is said before the models load and the bundled decoder measures
+    check_engine_importable(find_engine())  # said before the models load and the bundled decoder measures
     return sizes
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import math
 
 from draftsmith.specdec.errors import DraftsmithError
 
@@ -85,6 +86,32 @@ def parse_list(text: str, kind, name: str) -> list:
     return values
 
 
+REPEATABLE = ("--trees",)  # options that add to a list each time they are given
+
+
+def refuse_repeated(argv: list[str]) -> None:
+    """An option given twice (``--gamma 2 --gamma 3``) is refused rather than the last one silently winning."""
+    seen = set()
+    for token in argv:
+        if token == "--":
+            break
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("--"):
+            continue
+        if flag in seen and flag not in REPEATABLE:
+            raise DraftsmithError(f"{flag} is given twice; give it once")
+        seen.add(flag)
+
+
+def check_sampling(temperature: float, top_p: float, what: str = "--temperature") -> None:
+    """A temperature that is a finite number >= 0 (inf would be uniform noise reported as a speedup), and
+    a top-p in (0, 1]."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise DraftsmithError(f"{what} must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise DraftsmithError(f"--top-p must be in (0, 1] (1 = off), got {top_p}")
+
+
 def engine_options(what: str) -> argparse.ArgumentParser:
     """--engine, --engine-url, --engine-threads, --engine-eager: draftsmith's own decoder, or vLLM.
 
@@ -116,7 +143,7 @@ def engine_options(what: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-kv-cache-gib",
         type=int,
-        default=ENGINE_KV_CACHE_GIB,
+        default=None,
         help="--engine vllm on a CPU: the KV cache of each server started, in GiB, taken from memory at start "
         f"(default: {ENGINE_KV_CACHE_GIB})",
     )
@@ -124,14 +151,19 @@ def engine_options(what: str) -> argparse.ArgumentParser:
 
 
 def check_engine_options(args: argparse.Namespace) -> None:
-    """The vLLM-only options need --engine vllm; a URL names a server that is already running."""
+    """The vLLM-only options need --engine vllm; a URL names a server that is already running.
+    Sets ``args.engine_kv_cache_gib`` to its default when not given."""
     if args.engine != "vllm":
-        for flag, value in (("--engine-url", args.engine_url), ("--engine-threads", args.engine_threads)):
+        vllm_only = [("--engine-url", args.engine_url), ("--engine-threads", args.engine_threads)]
+        vllm_only.append(("--engine-kv-cache-gib", args.engine_kv_cache_gib))
+        for flag, value in vllm_only:
             if value is not None:
                 raise DraftsmithError(f"{flag} applies to --engine vllm")
         if args.engine_eager:
             raise DraftsmithError("--engine-eager applies to --engine vllm")
     elif args.engine_url is not None and (args.engine_threads is not None or args.engine_eager):
         raise DraftsmithError("--engine-threads and --engine-eager start a server; --engine-url names a running one")
+    if args.engine_kv_cache_gib is None:
+        args.engine_kv_cache_gib = ENGINE_KV_CACHE_GIB
     if args.engine_kv_cache_gib < 1:
         raise DraftsmithError(f"--engine-kv-cache-gib must be >= 1, got {args.engine_kv_cache_gib}")

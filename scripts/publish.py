@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.loading import check_model_files
 from draftsmith.train.publish import is_hub_id, publish, push
 
 EPILOG = """example:
@@ -46,6 +47,7 @@ def check_hub_options(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_hub_options(args)
+    check_model_files(Path(args.checkpoint))  # a damaged checkpoint named before anything is written
     out = publish(
         Path(args.checkpoint), Path(args.out), overwrite=args.overwrite, repo_id=args.push_to_hub, license=args.license
     )

@@ -141,6 +141,105 @@ def same_model(a: str, b: str) -> bool:
     return first.exists() and second.exists() and first.resolve() == second.resolve()
 
 
+def read_config(folder: Path) -> dict:
+    """A model folder's config.json; one that is not valid JSON (cut off, damaged) is named in one line."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DraftsmithError(
+            f"{path} is not valid JSON (damaged or cut off); copy the folder again or save the model again"
+        ) from err
+    if not isinstance(config, dict):
+        raise DraftsmithError(f"{path} holds no JSON object; copy the folder again or save the model again")
+    return config
+
+
+def safetensors_header(path: Path) -> dict:
+    """The tensors a safetensors file lists (name -> {dtype, shape, data_offsets}), after checking that the
+    file holds every byte its header promises: a file cut off or damaged is named in one line."""
+    damaged = f"{path} is damaged or cut off; copy it again, or save the model again"
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+        if length > size - 8:
+            raise DraftsmithError(damaged)
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise DraftsmithError(damaged) from err
+    tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+    end = max((info["data_offsets"][1] for info in tensors.values()), default=0)
+    if 8 + length + end != size:
+        raise DraftsmithError(f"{path} holds {size} bytes but its header describes {8 + length + end}: {damaged}")
+    return tensors
+
+
+def check_model_files(folder: Path) -> None:
+    """Before loading a model folder: its config.json parses, its safetensors files are whole, and the
+    weights are the ones its config describes (no tensor missing, none left over, every shape equal).
+
+    ``from_pretrained`` would fill a missing layer with random weights and say nothing; the comparison
+    builds the config's model on the meta device (no memory, no weights) and reads only file headers.
+    A folder of a draft kind with its own config format (not a transformers causal LM) gets the first
+    two checks only.
+    """
+    folder = Path(folder)
+    config = read_config(folder) if (folder / "config.json").is_file() else {}
+    stored = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        stored.update(safetensors_header(path))
+    if not stored or not any(a.endswith("ForCausalLM") for a in config.get("architectures", [])):
+        return
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    except (ValueError, KeyError, OSError):  # a model type this transformers does not know: nothing to compare
+        return
+    expected = {name: list(t.shape) for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(stored))
+    extra = sorted(set(stored) - set(model.state_dict()))
+    reshaped = sorted(n for n in set(expected) & set(stored) if stored[n]["shape"] != expected[n])
+    if missing or extra or reshaped:
+        layers = config.get("num_hidden_layers")
+        found = {int(n.split(".")[2]) for n in stored if n.startswith("model.layers.")}
+        problem = (
+            f"its config describes {layers} layers and its weights hold {len(found)}"
+            if found and layers != len(found)
+            else f"{len(missing)} tensor(s) missing (e.g. {missing[0]})"
+            if missing
+            else f"{len(extra)} tensor(s) its config has no place for (e.g. {extra[0]})"
+            if extra
+            else f"{reshaped[0]} has shape {stored[reshaped[0]]['shape']}, its config says {expected[reshaped[0]]}"
+        )
+        raise DraftsmithError(
+            f"{folder}: config.json does not match its weights ({problem}); restore the folder's own config.json"
+        )
+
+
+def spec_config(spec: str) -> dict | None:
+    """The config.json of a model spec read without loading it (a folder, or an alias once converted);
+    None for a hub id, a GGUF file or a folder without one."""
+    path = Path(spec).expanduser()
+    if spec in _ALIASES:
+        path = converted_folder(alias_gguf(spec))
+        path = path if (path / _COMPLETE).is_file() else None
+    if path is None or not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    return read_config(path)
+
+
+def context_length(spec: str) -> int | None:
+    """The tokens a model spec attends over (``max_position_embeddings``), read without loading it; None
+    when unknown (a hub id, an alias not converted yet)."""
+    config = spec_config(spec) or {}
+    size = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
+    return int(size) if size is not None else None
+
+
 def vocab_size(spec: str) -> int | None:
     """The output vocabulary size of a model spec, read without loading its weights (a folder's
     config.json, a GGUF file's header); None for a hub id or a folder whose config does not say."""
@@ -151,7 +250,7 @@ def vocab_size(spec: str) -> int | None:
     else:
         path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        config = json.loads((path / "config.json").read_text())
+        config = read_config(path)
         size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
         return int(size) if size is not None else None
     if path.is_file() and path.suffix == ".gguf":
@@ -296,6 +395,8 @@ def load_model(
     target too large for one device.
     """
     source = resolve_model(spec)
+    if Path(source).is_dir():
+        check_model_files(Path(source))
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map)
     except (OSError, ValueError) as err:

@@ -77,6 +77,8 @@ def read_prompts(path: str | Path, all_turns: bool = False) -> list[Prompt]:
     path = Path(path)
     if path.is_dir():
         raise DraftsmithError(f"prompts {path} is a folder; give a JSONL file (one JSON object per line)")
+    if path.exists() and not path.is_file():
+        raise DraftsmithError(f"prompts {path} is not a regular file (a device or pipe); give a JSONL file")
     if not path.is_file():
         raise DraftsmithError(f"prompts file not found: {path}")
     prompts = []

@@ -103,6 +103,17 @@ def find_engine(checkout: Path | None = None) -> Engine:
     raise DraftsmithError(f"no vLLM environment found ({ENGINE_VENV} or ${ENGINE_VARIABLE}); {_HOW_TO_INSTALL}")
 
 
+def check_engine_importable(engine: Engine) -> Engine:
+    """Refuse, in one line and in a second or so, a python that has no vLLM (before anything is measured)."""
+    if engine.command[-1] == "serve":  # a vllm command: vLLM is what it runs
+        return engine
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    found = subprocess.run([engine.command[0], "-c", probe], capture_output=True, timeout=120, check=False)
+    if found.returncode != 0:
+        raise DraftsmithError(f"{engine.command[0]} has no vLLM (import vllm fails); {_HOW_TO_INSTALL}")
+    return engine
+
+
 def _engine_from_executable(path: Path) -> Engine:
     # The environment's root is the folder above bin/; do not resolve symlinks, a venv's python is one.
     prefix = path.absolute().parent.parent

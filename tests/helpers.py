@@ -93,9 +93,9 @@ def tiny_tokenizer(words: int = 32, chat: bool = True):
     return tok
 
 
-def save_tiny_pair(folder, vocab: int = 32, sharpness: float = 8.0, noise: float = 0.3):
+def save_tiny_pair(folder, vocab: int = 32, sharpness: float = 8.0, noise: float = 0.3, max_positions: int = 256):
     """Write a tiny target and a noisy draft, each with a tokenizer, under ``folder``; return both paths."""
-    target = tiny_llama(vocab=vocab, sharpness=sharpness)
+    target = tiny_llama(vocab=vocab, sharpness=sharpness, max_positions=max_positions)
     draft = noisy_copy(target, noise=noise)
     paths = []
     for name, model in (("target", target), ("draft", draft)):

@@ -79,8 +79,13 @@ class DistillConfig:
     allow_incomplete: bool = False
     # teacher
     teacher_device_map: str | None = None  # e.g. auto: spread the target over this process's GPUs
-    teacher_cache: bool = False  # store the target's top-k log-probs once; training skips its forward pass
+    # store the target's features once (top-k log-probs, the hidden states a kind reads): no target forward per step
+    teacher_cache: bool = False
     teacher_top_k: int = 64
+    # the storage dtype of the target's hidden states in the teacher store (kinds that read them)
+    teacher_cache_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    # when the store is filled: before training, or by the first epoch's live forwards (read after it)
+    teacher_cache_fill: str = "before"  # before | first_epoch
     # the target's dtype as teacher and answer generator: auto = bfloat16 on CUDA and on CPUs with native
     # bfloat16 (as eval measures it), else float32; a kind may keep float32 (early_exit drafts share its layers)
     teacher_dtype: str = "auto"
@@ -123,6 +128,14 @@ class DistillConfig:
             (self.lora_r >= 0, "lora_r must be >= 0"),
             (self.train_draft_vocab >= 0, "train_draft_vocab must be >= 0 (0 = the full head)"),
             (self.teacher_top_k >= 1, "teacher_top_k must be >= 1"),
+            (
+                self.teacher_cache_dtype in ("bfloat16", "float16", "float32"),
+                f"teacher_cache_dtype must be bfloat16, float16 or float32, got {self.teacher_cache_dtype!r}",
+            ),
+            (
+                self.teacher_cache_fill in ("before", "first_epoch"),
+                f"teacher_cache_fill must be before or first_epoch, got {self.teacher_cache_fill!r}",
+            ),
             (self.eval_speedup_steps >= 0, "eval_speedup_steps must be >= 0"),
             (
                 bool(self.eval_gammas) and all(isinstance(g, int) and g >= 1 for g in self.eval_gammas),
@@ -157,6 +170,9 @@ class DistillConfig:
             ),
             (self.heldout >= 1, "heldout must be >= 1"),
             (self.gen_samples >= 1, "gen_samples must be >= 1"),
+            (self.gen_batch_size >= 1, f"gen_batch_size must be >= 1, got {self.gen_batch_size}"),
+            (self.eval_limit >= 1, f"eval_limit must be >= 1 (prompts measured in training), got {self.eval_limit}"),
+            (self.eval_max_new_tokens >= 1, f"eval_max_new_tokens must be >= 1, got {self.eval_max_new_tokens}"),
             (
                 self.gen_samples == 1 or self.gen_temperature > 0,
                 "gen_samples > 1 needs gen_temperature > 0 (greedy answers would all be the same)",

@@ -599,11 +599,24 @@ def read_layout(folder: Path) -> dict:
     return config
 
 
+def check_head_target(folder: Path, config: dict, width: int, target_config) -> None:
+    """Refuse a head trained for another target: it reads three of its target's layers, ``width`` wide."""
+    layers, hidden = target_config.num_hidden_layers, target_config.hidden_size
+    if width != hidden or max(config["eagle_aux_hidden_state_layer_ids"]) >= layers:
+        trained_for = config["speculators_config"]["verifier"]["name_or_path"]
+        raise DraftsmithError(
+            f"{folder} is an EAGLE-3 head for the target {trained_for} (hidden size {width}), not for this one "
+            f"(hidden size {hidden}, {layers} layers): evaluate it with its own target, or train a head for this one"
+        )
+
+
 def load_head(folder: Path, target: PreTrainedModel) -> EagleHead:
     """The head saved in ``folder`` (the speculators layout), for ``target``; every tensor the layout
     needs must be there and nothing else (vLLM refuses unknown names and silently keeps missing ones)."""
     config = read_layout(folder)
     tensors = load_file(folder / WEIGHTS, device=str(target.device))
+    if "fc.weight" in tensors:  # (H_draft, 3 H_target)
+        check_head_target(folder, config, tensors["fc.weight"].shape[1] // 3, target.config)
     d2t = tensors.pop("d2t", None)
     t2d = tensors.pop("t2d", None)
     head_weight = tensors.pop("lm_head.weight")

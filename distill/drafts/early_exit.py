@@ -160,8 +160,18 @@ class EarlyExitDraft(nn.Module):
     @classmethod
     def load(cls, folder: Path, target: PreTrainedModel) -> EarlyExitDraft:
         meta = json.loads((folder / META).read_text())
+        state = load_file(folder / WEIGHTS, device=str(target.device))
+        other = DraftsmithError(
+            f"{folder} is an early-exit draft of the target {meta['target']}, whose layers it shares; this target "
+            "is another (its layers or sizes differ): evaluate it with its own target, or train one for this target"
+        )
+        if meta["k"] >= target.config.num_hidden_layers:
+            raise other
         draft = cls(target, meta["k"], meta["adapter"])
-        draft.load_state_dict(load_file(folder / WEIGHTS, device=str(target.device)))
+        expected = draft.state_dict()
+        if any(name in expected and tensor.shape != expected[name].shape for name, tensor in state.items()):
+            raise other
+        draft.load_state_dict(state)
         return draft.eval()
 
     # specdec.drafters.PairedDraft: with KV reuse the draft shares the target's cache.

@@ -100,6 +100,13 @@ def add_lora(draft: PreTrainedModel, rank: int, alpha: int, target_modules: list
     """Wrap ``draft`` in a LoRA adapter (peft); only the adapter's parameters train."""
     from peft import LoraConfig, get_peft_model
 
+    names = {name.rsplit(".", 1)[-1] for name, module in draft.named_modules() if isinstance(module, torch.nn.Linear)}
+    unknown = [name for name in target_modules if name not in names]
+    if unknown:
+        raise DraftsmithError(
+            f"lora_target_modules: the draft has no linear module named {', '.join(unknown)}; "
+            f"it has {', '.join(sorted(names))}"
+        )
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
     )

@@ -70,6 +70,7 @@ from draftsmith.specdec.drafters import Proposal, draft_step, stack_proposal
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import eos_token_ids, load_model, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.prompts import encode_chat
 from draftsmith.specdec.stream import Verification
 from draftsmith.specdec.tree import ROOT, TreeShape, reindex, top_nodes
 from draftsmith.specdec.tree_drafting import Tree
@@ -528,6 +529,11 @@ class ParallelKind:
         specials = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
         if mask in specials:
             raise DraftsmithError(f"mask_token_id {mask} is the tokenizer's bos, eos or pad token; pick an unused id")
+        if mask in encode_chat(tokenizer, [{"role": "user", "content": "hello"}]):  # the template's own tokens
+            raise DraftsmithError(
+                f"mask_token_id {mask} ({tokenizer.convert_ids_to_tokens(mask)}) is a token the data uses: the chat "
+                "template writes it into every prompt; pick an id the tokenizer never produces"
+            )
         chains = ChainSettings(**{key: self.options(settings)[key] for key in DEFAULTS})
         return ParallelDraft(model, mask, chains).train()
 

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from draftsmith.distill import teacher_cache
 from draftsmith.distill.dataset_builder import (
     BuildSettings,
     build_dataset,
@@ -62,7 +63,7 @@ def own_top_k(model, ids: list[int], loss_mask: list[int], k: int) -> tuple[torc
     return top.indices, top.values
 
 
-def test_every_row_is_cached_whole_and_a_run_reads_it_cut_to_its_examples(tmp_path, model):
+def test_every_row_is_cached_whole_and_a_run_reads_it_cut_to_its_examples(tmp_path, model, capsys):
     folder = tmp_path / "d"
     build(folder, model, 7)  # shards of 3 + 3 + 1 rows
     manifest = build_dataset_cache(folder, 8, target_cache_writer(model, 8), MADE_BY)
@@ -83,12 +84,15 @@ def test_every_row_is_cached_whole_and_a_run_reads_it_cut_to_its_examples(tmp_pa
         assert torch.equal(ids, want_ids)
         assert torch.allclose(logps.double(), want_logps, atol=2e-3)  # stored as float16
 
-    # Another dtype, or more tokens per position than were kept: the run builds its own cache.
+    # Another dtype, or more tokens per position than were kept: the run builds its own cache, and says why.
+    capsys.readouterr()
     assert dataset_entries(folder, examples, "bfloat16", top_k=5, max_length=10) is None
+    assert f"{folder} carries top-8 in float32; this run asks top-5 in bfloat16" in capsys.readouterr().err
     assert dataset_entries(folder, examples, "float32", top_k=9, max_length=10) is None
+    assert "this run asks top-9 in float32" in capsys.readouterr().err
 
 
-def test_rows_added_later_and_a_shard_cache_cut_short_are_cached_when_the_step_runs_again(tmp_path, model):
+def test_rows_added_later_and_a_shard_cache_cut_short_are_cached_when_the_step_runs_again(tmp_path, model, capsys):
     folder = tmp_path / "d"
     build(folder, model, 4)
     build_dataset_cache(folder, 6, target_cache_writer(model, 6), MADE_BY)
@@ -98,7 +102,9 @@ def test_rows_added_later_and_a_shard_cache_cut_short_are_cached_when_the_step_r
     (cache_folder(folder, 6) / second / "meta.json").unlink()  # as a build killed before its end leaves it
     build(folder, model, 8)  # 4 more rows: shards 2 and 3
     examples = training_examples(folder, max_length=256)
+    capsys.readouterr()
     assert dataset_entries(folder, examples, "float32", top_k=6, max_length=256) is None  # not all covered
+    assert "has no entries for the shard" in capsys.readouterr().err
 
     manifest = build_dataset_cache(folder, 6, target_cache_writer(model, 6), MADE_BY)
     assert manifest["teacher_cache"]["6"]["shards"] == 4
@@ -111,3 +117,17 @@ def test_rows_added_later_and_a_shard_cache_cut_short_are_cached_when_the_step_r
 def test_more_tokens_per_position_than_the_vocabulary_is_refused(model):
     with pytest.raises(DraftsmithError, match="--teacher-cache 33 exceeds the target's vocabulary"):
         target_cache_writer(model, 33)
+
+
+def test_a_run_cache_of_the_same_examples_made_another_way_is_named_when_not_reused(tmp_path, model, capsys):
+    examples = [
+        {"input_ids": [0, 5, 6, 7, 1], "loss_mask": [0, 0, 1, 1, 1]},
+        {"input_ids": [0, 9, 1], "loss_mask": [0, 1, 1]},
+    ]
+    teacher_cache.build(model, examples, tmp_path / "k3", top_k=3, progress=True)
+    capsys.readouterr()
+    teacher_cache.build(model, examples[::-1], tmp_path / "k4", top_k=4, progress=True)  # same examples, in any order
+    err = capsys.readouterr().err
+    assert f"teacher cache: {tmp_path / 'k3'} holds these examples but was made with top_k 3 (this run: 4)" in err
+    teacher_cache.build(model, examples[:1], tmp_path / "one", top_k=3, progress=True)  # other examples: no note
+    assert "holds these examples" not in capsys.readouterr().err

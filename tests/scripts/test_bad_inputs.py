@@ -6,6 +6,7 @@ paths in a case's arguments are filled in from ``world`` (``{run}``, ``{user}``,
 """
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -15,10 +16,12 @@ import pytest
 from draftsmith import eval as eval_cmd
 from draftsmith.checks import check_eval_options
 from draftsmith.cli import main
+from draftsmith.distill.drafts.eagle3 import EagleHead, write_layout
+from draftsmith.distill.drafts.early_exit import EarlyExitDraft
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
-from tests.helpers import save_tiny_pair
+from tests.helpers import save_tiny_pair, tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).parents[2]
 PROMPTS = str(ROOT / "distill" / "data" / "eval_prompts.jsonl")
@@ -48,7 +51,7 @@ def world(tmp_path_factory):
     paths["under_file"] = paths["file"] / "sub"  # cannot be created, whoever runs the test
     paths["folder"] = root / "a-folder"
     paths["folder"].mkdir()
-    paths["target"], paths["draft"] = save_tiny_pair(root / "pair")
+    paths["target"], paths["draft"] = save_tiny_pair(root / "pair", max_positions=1024)  # room for 256 new tokens
     paths["badjson"] = root / "bad.jsonl"
     paths["badjson"].write_text('{"prompt": "one"}\n{"prompt": "two",\n')
     paths["empty_yaml"] = root / "empty.yaml"
@@ -57,12 +60,43 @@ def world(tmp_path_factory):
     paths["dup_yaml"].write_text("target: tiny\nlr: 0.01\nmax_steps: 2\nlr: 0.02\n")
     paths["nested_yaml"] = root / "nested.yaml"
     paths["nested_yaml"].write_text("target: tiny\ntiny_target: {num_layers: 2}\n")
+    damaged(paths)
     for name, complete, target in (("incomplete", False, "tiny"), ("other_target", True, "smollm2-135m-instruct")):
         paths[name] = root / name
         paths[name].mkdir()
         manifest = {"settings": {"target": target}, "complete": complete}
         (paths[name] / "manifest.json").write_text(json.dumps(manifest))
     return paths
+
+
+def damaged(paths: dict) -> None:
+    """Folders and files as a careless copy or a full disk leaves them, each beside a sound original."""
+    root = paths["root"]
+    paths["cut_config"] = root / "cut-config"
+    shutil.copytree(paths["draft"], paths["cut_config"])
+    text = (paths["cut_config"] / "config.json").read_text()
+    (paths["cut_config"] / "config.json").write_text(text[: len(text) // 2])
+    paths["cut_weights"] = root / "cut-weights"
+    shutil.copytree(paths["ckpt"], paths["cut_weights"])
+    weights = (paths["cut_weights"] / "model.safetensors").read_bytes()
+    (paths["cut_weights"] / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    paths["more_layers"] = root / "more-layers"  # a config of 30 layers over weights of 2
+    shutil.copytree(paths["draft"], paths["more_layers"])
+    config = json.loads((paths["more_layers"] / "config.json").read_text())
+    (paths["more_layers"] / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 30}))
+    other = tiny_llama(vocab=32, layers=4, hidden=64)  # a target of other sizes than the pair's
+    paths["eagle_of_another"] = root / "eagle-of-another"
+    write_layout(EagleHead.from_target(other, (0, 1, 3)), paths["eagle_of_another"], 3, target_name="other-tiny")
+    paths["exit_of_another"] = root / "exit-of-another"
+    EarlyExitDraft(other, 1).save(paths["exit_of_another"], "other-tiny")
+    for folder in (paths["eagle_of_another"], paths["exit_of_another"]):
+        tiny_tokenizer(32).save_pretrained(folder)
+    paths["empty_prompts"] = root / "empty.jsonl"
+    paths["empty_prompts"].write_text("")
+    paths["hub_layout"] = root / "hub-layout"  # a dataset folder without manifest.json
+    (paths["hub_layout"] / "data").mkdir(parents=True)
+    (paths["hub_layout"] / "data" / "train-00000.parquet").write_bytes(b"PAR1")
+    (paths["hub_layout"] / "README.md").write_text("---\nconfigs: []\n---\n")
 
 
 def refused(argv: list[str], world: dict, capsys) -> str:
@@ -164,7 +198,22 @@ CASES = [
     ("data_self_without_a_count", [*DATA, "--prompts", "self"], "--prompts self needs --num-prompts N"),
     ("data_count_of_a_prompt_file", [*BUILTIN, "--num-prompts", "5"], "cap a prompt source with --max-samples"),
     ("data_prompts_with_bad_json", [*DATA, "--prompts", "{badjson}"], "bad.jsonl, line 2: not valid JSON"),
-    ("data_prompts_folder", [*DATA, "--prompts", "{folder}"], "a-folder is a folder but not one written by"),
+    (
+        "data_prompts_folder",
+        [*DATA, "--prompts", "{folder}"],
+        "a-folder is a folder but neither a draftsmith data folder",
+    ),
+    ("data_prompts_empty_file", [*DATA, "--prompts", "{empty_prompts}"], "empty.jsonl is empty; give a file with one"),
+    ("data_prompts_dev_null", [*DATA, "--prompts", "/dev/null"], "/dev/null is not a regular file (a device or pipe)"),
+    ("data_prompts_folder_without_manifest", [*DATA, "--prompts", "{hub_layout}"], "neither a draftsmith data folder"),
+    ("data_max_new_tokens_beyond_context", [*BUILTIN, "--max-new-tokens", "1000000000"], "context (1024 tokens)"),
+    ("data_temperature_inf", [*BUILTIN, "--temperature", "inf"], "--temperature must be a finite number >= 0"),
+    ("data_option_given_twice", [*BUILTIN, "--seed", "1", "--seed", "2"], "--seed is given twice; give it once"),
+    (
+        "data_kv_cache_without_vllm",
+        [*BUILTIN, "--engine-kv-cache-gib", "4"],
+        "--engine-kv-cache-gib applies to --engine",
+    ),
     ("data_unknown_alias", ["data", "--target", "smollm2", "--output", "{root}/x", "--prompts", "builtin"], "alias"),
     # draftsmith distill
     ("distill_without_a_config", ["distill"], "distill needs --config: a YAML file, or a shipped config (smollm2"),
@@ -181,6 +230,18 @@ CASES = [
     ("distill_output_dir_is_a_file", [*DISTILL, "output_dir={file}"], "is an existing file; give a folder path"),
     ("distill_incomplete_dataset", [*DISTILL, "dataset={incomplete}"], "or set allow_incomplete=true"),
     ("distill_dataset_of_another_target", [*DISTILL, "dataset={other_target}"], "holds answers of target"),
+    ("distill_gen_batch_size_zero", [*DISTILL, "gen_batch_size=0"], "gen_batch_size must be >= 1, got 0"),
+    ("distill_eval_limit_zero", [*DISTILL, "eval_speedup_steps=2", "eval_limit=0"], "eval_limit must be >= 1"),
+    (
+        "distill_teacher_top_k_above_vocab",
+        [*DISTILL, "teacher_cache=true", "teacher_top_k=100000"],
+        "teacher_top_k=100000 is more than the target's vocabulary (103 tokens)",
+    ),
+    (
+        "distill_allow_incomplete_on_a_shipped_dataset",
+        [*DISTILL, "dataset=smollm2-self", "allow_incomplete=true"],
+        "dataset=smollm2-self is not one (a shipped dataset is complete): leave allow_incomplete out",
+    ),
     ("distill_bad_number", [*DISTILL, "max_steps=ten"], "config field 'max_steps': 'ten' is not a valid int"),
     # draftsmith eval-run
     ("eval_run_gamma_zero", [*EVAL_RUN, "--gammas", "0,2"], "--gammas must all be >= 1, got 0,2"),
@@ -197,6 +258,8 @@ CASES = [
     ("eval_run_repeats_zero", [*EVAL_RUN, "--repeats", "0"], "--repeats must be >= 1"),
     ("eval_run_engine_batch_zero", [*EVAL_RUN, "--engine", "vllm", "--engine-batch-sizes", "0,1"], "must be >= 1"),
     ("eval_run_engine_threads_alone", [*EVAL_RUN, "--engine-threads", "2"], "--engine-threads applies to --engine"),
+    ("eval_run_engine_batch_without_vllm", [*EVAL_RUN, "--engine-batch-sizes", "1"], "applies to --engine vllm"),
+    ("eval_run_option_given_twice", [*EVAL_RUN, "--limit", "1", "--limit", "2"], "--limit is given twice"),
     ("eval_run_not_a_run", ["eval-run", "{folder}"], "a-folder is not a distillation run folder"),
     # draftsmith publish
     ("publish_private_without_push", ["publish", "{ckpt}", "--out", "{root}/x", "--private"], "add --push-to-hub"),
@@ -204,6 +267,7 @@ CASES = [
     ("publish_out_is_a_file", ["publish", "{ckpt}", "--out", "{file}"], "is a file, not a folder"),
     ("publish_out_under_a_file", ["publish", "{ckpt}", "--out", "{under_file}"], "nothing can be written under it"),
     ("publish_run_without_ranking", ["publish", "{run}", "--out", "{root}/x"], "run draftsmith eval-run"),
+    ("publish_cut_off_weights", ["publish", "{cut_weights}", "--out", "{root}/x"], "is damaged or cut off"),
     ("publish_missing_checkpoint", ["publish", "{run}/checkpoint-9", "--out", "{root}/x"], "checkpoint not found"),
     # draftsmith quickstart: its evaluation and publishing options, before any training
     ("quickstart_gamma_zero", [*QUICK, "--gammas", "0"], "--gammas must all be >= 1"),
@@ -254,6 +318,20 @@ EVAL_CASES = [
     ("draft_vocab_above_vocab", [*EVAL, "--draft-vocab", "32"], "not smaller than the model's vocabulary (32"),
     ("repeats_zero", [*EVAL, "--repeats", "0"], "--repeats must be >= 1, got 0"),
     ("prompts_folder", [*EVAL[:4], "--prompts", "{folder}"], "a-folder is a folder; give a JSONL file"),
+    ("prompts_dev_null", [*EVAL[:4], "--prompts", "/dev/null"], "/dev/null is not a regular file"),
+    (
+        "temperature_inf",
+        [*EVAL, "--temperature", "inf"],
+        "--temperature must be a finite number >= 0 (0 = greedy), got inf",
+    ),
+    ("top_p_zero", [*EVAL, "--temperature", "1", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    ("gamma_beyond_context", [*EVAL, "--gamma", "100000"], "does not fit the target's context (1024 tokens)"),
+    ("draft_config_cut_off", [*EVAL[:2], "--draft", "{cut_config}"], "config.json is not valid JSON (damaged or cut"),
+    (
+        "draft_config_not_its_weights",
+        [*EVAL[:2], "--draft", "{more_layers}"],
+        "config.json does not match its weights (its config describes 30 layers and its weights hold 2)",
+    ),
 ]
 
 
@@ -280,9 +358,62 @@ EVAL_MAIN_CASES = [
     ("tree_budget_zero", ["eval", *EVAL, "--tree", "3,2:0"], "budget must be 1 to 8"),
     ("prompts_bad_json", ["eval", *EVAL[:4], "--prompts", "{badjson}"], "bad.jsonl, line 2: not valid JSON"),
     ("engine_batch_zero", ["eval", *EVAL, "--engine", "vllm", "--engine-batch-sizes", "0"], "must be >= 1"),
+    ("gamma_given_twice", ["eval", *EVAL, "--gamma", "2", "--gamma", "3"], "--gamma is given twice; give it once"),
+    ("engine_batch_without_vllm", ["eval", *EVAL, "--engine-batch-sizes", "1"], "applies to --engine vllm"),
+    ("kv_cache_without_vllm", ["eval", *EVAL, "--engine-kv-cache-gib", "4"], "--engine-kv-cache-gib applies to"),
+    ("draft_config_cut_off", ["eval", *EVAL[:2], "--draft", "{cut_config}"], "is not valid JSON (damaged or cut off)"),
+    (
+        "eagle3_head_of_another_target",
+        ["eval", *EVAL[:2], "--draft", "{eagle_of_another}", "--prompts", PROMPTS, "--limit", "1"],
+        "is an EAGLE-3 head for the target other-tiny (hidden size 64), not for this one (hidden size 32, 2 layers)",
+    ),
+    (
+        "early_exit_draft_of_another_target",
+        ["eval", *EVAL[:2], "--draft", "{exit_of_another}", "--prompts", PROMPTS, "--limit", "1"],
+        "is an early-exit draft of the target other-tiny, whose layers it shares; this target is another",
+    ),
 ]
 
 
 @pytest.mark.parametrize("argv, message", [c[1:] for c in EVAL_MAIN_CASES], ids=[c[0] for c in EVAL_MAIN_CASES])
 def test_eval_refuses_before_loading(world, capsys, argv, message):
     assert message in refused(argv, world, capsys)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["eval", *EVAL, "--engine", "vllm"], [*EVAL_RUN, "--engine", "vllm"], [*BUILTIN, "--engine", "vllm"]],
+    ids=["eval", "eval-run", "data"],
+)
+def test_an_engine_environment_without_vllm_is_refused_before_any_work(world, capsys, monkeypatch, argv):
+    python = world["root"] / "no-vllm-python"  # an executable python whose environment has no vLLM
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -I "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.setenv("DRAFTSMITH_VLLM", str(python))
+    before = snapshot(world["root"])
+    started = time.perf_counter()
+    assert f"{python} has no vLLM (import vllm fails)" in refused(argv, world, capsys)
+    assert time.perf_counter() - started < 10
+    assert snapshot(world["root"]) == before
+
+
+# Settings a kind can judge only against the models it builds: refused before the first training step.
+KIND_CASES = [
+    (
+        "lora_module_the_model_lacks",
+        ["lora_r=4", "lora_target_modules=[q_prj, v_proj]"],
+        "lora_target_modules: the draft has no linear module named q_prj; it has ",
+    ),
+    (
+        "parallel_mask_the_data_uses",
+        ["draft_kind=parallel", "draft_layers=1", "kind_options={{mask_token_id: 3}}"],
+        "mask_token_id 3 (<|user|>) is a token the data uses: the chat template writes it into every prompt",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides, message", [c[1:] for c in KIND_CASES], ids=[c[0] for c in KIND_CASES])
+def test_kind_settings_the_models_refuse_stop_before_training(tmp_path, capsys, overrides, message):
+    run = tmp_path / "run"
+    assert message in refused([*DISTILL, f"output_dir={run}", "max_steps=2", "save_steps=2", *overrides], {}, capsys)
+    assert not list(run.glob("checkpoint-*")) and not (run / "metrics.jsonl").exists()

@@ -44,7 +44,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))[0]
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"), max_positions=1024)[0]
 
 
 def self_args(target, output, num_prompts, *extra):
@@ -91,7 +91,8 @@ def test_killed_build_resumes_without_duplicates_or_loss(target, tmp_path):
         [sys.executable, "-c", KILLED_RUN, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == -9, result.stderr[-3000:]
-    assert [p.name for p in shard_paths(killed)] == ["train-r0-00000.parquet", "train-r0-00001.parquet"]
+    named = json.loads((killed / "manifest.json").read_text())["id"]
+    assert [p.name for p in shard_paths(killed)] == [f"train-{named}-r0-0000{i}.parquet" for i in range(2)]
     assert len(load_built(killed)) == 8
     assert json.loads((killed / "manifest.json").read_text())["complete"] is False
 
@@ -217,3 +218,16 @@ def test_distill_trains_from_a_built_dataset_by_path(target, tmp_path, capsys):
     other = ["distill", "--config", "tiny", f"dataset={data}", f"output_dir={tmp_path / 'other'}"]
     assert main(other) == 2
     assert "holds answers of target" in capsys.readouterr().err
+
+
+def test_the_target_through_a_link_or_with_a_trailing_slash_continues_the_same_dataset(target, tmp_path, capsys):
+    out = tmp_path / "d"
+    base = ["data", "--prompts", "builtin", "--max-new-tokens", "8", "--shard-rows", "3", "--no-progress"]
+    assert main([*base, "--target", str(target), "--max-samples", "3", "--output", str(out)]) == 0
+    link = tmp_path / "target-link"
+    link.symlink_to(target)
+    assert main([*base, "--target", str(link), "--max-samples", "5", "--output", str(out)]) == 0  # appends 2 rows
+    assert main([*base, "--target", f"{target}/", "--max-samples", "6", "--output", str(out)]) == 0  # appends 1
+    capsys.readouterr()
+    assert len(load_built(out)) == 6
+    assert json.loads((out / "manifest.json").read_text())["settings"]["target"] == str(target)  # as first named

@@ -161,7 +161,8 @@ def test_self_prompted_build_killed_midway_resumes_and_appends_without_duplicate
         timeout=600,
     )
     assert killed.returncode == -9, killed.stderr[-3000:]
-    assert [p.name for p in shard_paths(out)] == ["train-r0-00000.parquet", "train-r0-00001.parquet"]
+    named = json.loads((out / "manifest.json").read_text())["id"]
+    assert [p.name for p in shard_paths(out)] == [f"train-{named}-r0-0000{i}.parquet" for i in range(2)]
     before = rows_by_key(out)
     assert len(before) == 4
 
