@@ -19,9 +19,9 @@ from common import PROMPTS, default_target, save
 
 from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.cache import default_cache_kind
+from draftsmith.specdec.clock import Clock
 from draftsmith.specdec.compiled import CompiledStream, compile_mode
 from draftsmith.specdec.loading import resolve_dtype
-from draftsmith.specdec.measure.clock import Clock
 from draftsmith.specdec.measure.pair import evaluate_pair
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions

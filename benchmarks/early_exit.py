@@ -50,7 +50,7 @@ def main() -> None:
             tokenizer,
             MeasureSettings(
                 prompts,
-                options=DecodeOptions(gamma=args.gamma, kv_reuse=kv_reuse),
+                options=DecodeOptions(gamma=args.gamma, draft_options={"kv_reuse": kv_reuse}),
                 max_new_tokens=args.max_new_tokens,
                 eos_ids=eos,
                 repeats=args.repeats,

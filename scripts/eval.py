@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.checks import check_eval_options
-from draftsmith.distill.drafts import DraftKind, kind_of_folder, kind_of_model, load_draft
+from draftsmith.distill.drafts import DraftKind, kind_of_folder, kind_of_model, load_draft, named_draft
+from draftsmith.draft_options import draft_option_args, parse_draft_options
 from draftsmith.engine_eval import check_engine_eval_options, engine_eval_options, engine_report, show_engine_report
 from draftsmith.options import GAMMA, device_options, draft_vocab_option, progress_option, prompt_options
 from draftsmith.specdec import draft_vocab
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             device_options(),
             draft_vocab_option(default=None),
             progress_option(),
+            draft_option_args(),
             engine_eval_options(),
         ],
     )
@@ -69,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft",
         required=True,
         help="draft model folder / .gguf / hub id, 'self' (the target drafts for itself), or "
-        "'truncate:N' / 'truncate:0,1,28' (the target's first N or listed layers, untrained)",
+        "'truncate:N' / 'truncate:0,1,28' (the target's first N or listed layers, untrained), or another "
+        "untrained draft a kind names (early_exit:K, parallel:LAYERS:MASK_ID)",
     )
     p.add_argument(
         "--gamma",
@@ -119,11 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
         "token trees and early-exit drafts sharing the target's cache decode eager)",
     )
     p.add_argument(
-        "--no-kv-reuse",
-        action="store_true",
-        help="early-exit drafts: run the full target over the candidates instead of reusing the draft's KV",
-    )
-    p.add_argument(
         "--compare-hf",
         action="store_true",
         help="also time transformers generate and assisted generation on the same prompts",
@@ -151,8 +149,9 @@ def _stock_pair(args, device: torch.device, dtype: torch.dtype) -> HFComparison:
     """Fresh copies of the target and the draft as transformers loads them, for ``--compare-hf``
     (the bundled decoder switches the models it runs to row-exact attention)."""
     target = load_model(args.target, device, dtype)
-    if args.draft.startswith("truncate:"):
-        return HFComparison(target, load_draft(args.draft, target, device, dtype))
+    named = None if args.draft == "self" else named_draft(args.draft, target)
+    if named is not None:
+        return HFComparison(target, named)
     return HFComparison(target, load_model(args.target if args.draft == "self" else args.draft, device, dtype))
 
 
@@ -161,22 +160,17 @@ def _published_settings(args) -> None:
     carries: the gamma of its generation config (constant schedule), its draft_vocab.json, and the
     tree shape of its ``draftsmith`` section (used when no chain setting or batch asks otherwise)."""
     folder = Path(args.draft)
-    config = folder / "generation_config.json"
-    assistant = json.loads(config.read_text()) if config.is_file() else {}
-    constant = assistant.get("num_assistant_tokens_schedule") == "constant"
-    carried_gamma = constant and "num_assistant_tokens" in assistant
-    args.gamma_source = (
-        "--gamma" if args.gamma is not None else "generation_config.json" if carried_gamma else "default"
-    )
+    kind = kind_of_folder(folder) if folder.is_dir() else None
+    carried = kind.read_serving(folder) if kind is not None else None  # what the kind's export wrote
+    args.gamma_source = "--gamma" if args.gamma is not None else "generation_config.json" if carried else "default"
     if args.gamma is None:
-        args.gamma = assistant["num_assistant_tokens"] if carried_gamma else GAMMA
+        args.gamma = carried.gamma if carried else GAMMA
     if args.draft_vocab is None:
         # A kind whose vocabulary is its own (cut at load, not by the generic head) carries it itself.
-        kind = kind_of_folder(folder) if folder.is_dir() else None
-        carried = (folder / draft_vocab.FILE).is_file() and not args.compare_hf and kind is not None and kind.cuts_head
-        args.draft_vocab = len(draft_vocab.load_ranking(folder)) if carried else 0
+        cut = (folder / draft_vocab.FILE).is_file() and not args.compare_hf and kind is not None and kind.cuts_head
+        args.draft_vocab = len(draft_vocab.load_ranking(folder)) if cut else 0
     # The tree shape publish found fastest with draftsmith's decoder (transformers takes the chain gamma).
-    carried_tree = assistant.get("draftsmith", {}).get("tree")
+    carried_tree = carried.tree if carried else None
     args.tree_source = "--tree" if args.tree is not None else None
     chain_asked = args.gamma_source == "--gamma" or args.confidence_threshold is not None or args.batch_size != 1
     if args.tree is None and carried_tree and not chain_asked:
@@ -191,7 +185,7 @@ def decode_options(args: argparse.Namespace) -> DecodeOptions:
         draft_greedy=args.draft_greedy,
         confidence_threshold=args.confidence_threshold,
         cache_kind=args.cache,
-        kv_reuse=not args.no_kv_reuse,
+        draft_options=parse_draft_options(args.draft_option),
         tree=TreeShape.parse(args.tree) if args.tree is not None else None,
         compile=args.compile,
     )
@@ -221,10 +215,12 @@ def load_pair(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
     """(tokenizer, target, draft, the draft's kind), checked against what the arguments ask of them."""
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, device, dtype)
-    draft = load_draft(args.draft, target, device, dtype)
+    draft = named_draft(args.draft, target)
+    if draft is None:  # a folder, file or hub model: its tokenizer must be the target's
+        draft = load_draft(args.draft, target, device, dtype)
+        if kind_of_model(draft).standalone:
+            check_compatible(tokenizer, load_tokenizer(args.draft), target.config.vocab_size, draft.config.vocab_size)
     kind = kind_of_model(draft)
-    if kind.standalone and args.draft != "self" and not args.draft.startswith("truncate:"):
-        check_compatible(tokenizer, load_tokenizer(args.draft), target.config.vocab_size, draft.config.vocab_size)
     if args.compare_hf and not kind.standalone:
         raise DraftsmithError(f"--compare-hf needs a standalone draft; {args.draft} is a {kind.name} draft")
     return tokenizer, target, draft, kind
@@ -246,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     dtype = eval_dtype(args, device)
     tokenizer, target, draft, kind = load_pair(args, device, dtype)
+    kind.check_decode_options(options.draft_options)
     settings = MeasureSettings(
         prompts,
         options=options,
@@ -273,14 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft_vocab:
         draft = _cut_head(args, draft, kind, settings.eos_ids)
     report = evaluate_pair(target, draft, tokenizer, settings, compare_hf=compare_hf)
-    report.update(kind.decoding_report(target, draft, args.gamma, options.kv_reuse))
-    return finish(args, report, device, dtype)
+    report.update(kind.decoding_report(target, draft, options))
+    return finish(args, report, device, dtype, kind)
 
 
-def finish(args: argparse.Namespace, report: dict, device: torch.device, dtype: torch.dtype) -> int:
+def finish(args: argparse.Namespace, report: dict, device: torch.device, dtype: torch.dtype, kind: DraftKind) -> int:
     """Print the report (and what the kind added), write it as JSON when asked; the exit status."""
     report.update(
-        kv_reuse=report.get("kv_reuse", False),
         target=args.target,
         draft=args.draft,
         device=str(device),
@@ -291,13 +287,8 @@ def finish(args: argparse.Namespace, report: dict, device: torch.device, dtype: 
         prompts_file=str(args.prompts),
     )
     print(format_table(report))
-    if "verify_time_saved" in report:
-        print(
-            f"verification pass over {args.gamma + 1} tokens: "
-            f"{report['verify_s_kv_reuse'] * 1e3:.1f} ms with KV reuse, "
-            f"{report['verify_s_full'] * 1e3:.1f} ms with the full target ({report['verify_time_saved']:.1%} saved); "
-            f"this run {'reused' if report['kv_reuse'] else 'did not reuse'} the draft's KV"
-        )
+    for line in kind.report_lines(report):
+        print(line)
     if args.json_out:
         out = Path(args.json_out)
         write_text(out, json.dumps(report, indent=2))

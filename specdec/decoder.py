@@ -33,10 +33,10 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.specdec.cache import default_cache_kind
+from draftsmith.specdec.clock import Clock
 from draftsmith.specdec.compiled import make_stream, resolve_compile
 from draftsmith.specdec.drafters import Drafter, LMDrafter, PairedDraft, Proposal
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.measure.clock import Clock
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams, choose_token
 from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad

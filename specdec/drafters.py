@@ -22,39 +22,30 @@ by the decoder (a draft sharing the target's cache, a head reading the target's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
+from transformers import PreTrainedModel
 
 from draftsmith.specdec.compiled import make_stream
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.sampling import process_logits, sample
+from draftsmith.specdec.proposal import Proposal, draft_chain, draft_step, stack_proposal
 from draftsmith.specdec.stream import Verification
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.specdec.tree_drafting import Tree, draft_tree, keep_draft_path
+from draftsmith.specdec.verify import Verifier
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-    from draftsmith.specdec.verify import Verifier
-
-
-@dataclass
-class Proposal:
-    """The draft tokens of one round and what the acceptance rule needs to know about them."""
-
-    tokens: torch.Tensor  # (B, G) drafted tokens; a row's entries after counts[b] are not proposed
-    probs: torch.Tensor | None  # (B, G, V) processed q each token was drawn from; None: argmax (q one-hot)
-    counts: torch.Tensor  # (B,) tokens proposed per sequence, <= G
-    # (B, G+1, H): hidden states of the verification inputs [x_n, d_1 .. d_G] after the layers the
-    # draft shares with the target, when it does (the target starts from them); else None.
-    reusable: torch.Tensor | None = None
-
-    @property
-    def steps(self) -> int:
-        """Draft forwards the round took (one per drafted position)."""
-        return self.tokens.shape[1]
+__all__ = [
+    "Drafter",
+    "LMDrafter",
+    "PairedDraft",
+    "Proposal",
+    "Verification",
+    "draft_chain",
+    "draft_step",
+    "round_forwards",
+    "stack_proposal",
+]
 
 
 class Drafter(Protocol):
@@ -96,7 +87,8 @@ class PairedDraft(Protocol):
 
     ``decoding_pair`` builds both sides for ``batch_size`` sequences of up to ``capacity`` tokens;
     ``decodes_compiled`` says whether those sides run compiled steps with ``options`` (refusing
-    ``options.compile`` where they cannot)."""
+    ``options.compile`` where they cannot); ``round_forwards`` is the draft forwards a chain round of
+    ``gamma`` proposals costs (``distill.drafts.kind.DraftModel`` has the defaults)."""
 
     def decoding_pair(
         self, target: PreTrainedModel, batch_size: int, capacity: int, options: DecodeOptions
@@ -104,41 +96,13 @@ class PairedDraft(Protocol):
 
     def decodes_compiled(self, target: PreTrainedModel, options: DecodeOptions) -> bool: ...
 
+    def round_forwards(self, gamma: int) -> int: ...
+
 
 def round_forwards(draft: torch.nn.Module, gamma: int) -> int:
-    """The draft forwards a chain round of ``gamma`` proposals costs: one per proposal, unless the
-    draft says otherwise (a draft that proposes several tokens per forward defines ``round_forwards``)."""
-    own = getattr(draft, "round_forwards", None)
-    return gamma if own is None else own(gamma)
-
-
-def draft_step(
-    logits: torch.Tensor, options: DecodeOptions, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One draft token from draft logits (B, V): (token (B,), q (B, V) or None, confident (B,) or None).
-
-    q is the processed distribution the token was drawn from, None when the draft took its argmax
-    (q is then one-hot). ``confident`` is whether ``max q`` reaches the confidence threshold.
-    """
-    sampling = options.sampling
-    if sampling.greedy or options.draft_greedy:
-        token, q = logits.argmax(-1), None
-    else:
-        q = process_logits(logits, sampling)
-        token = sample(q, generator)
-    if options.confidence_threshold is None:
-        return token, q, None
-    judged = q
-    if judged is None:  # confidence is judged on the processed distribution, as when sampling
-        judged = logits.float().softmax(-1) if sampling.greedy else process_logits(logits, sampling)
-    return token, q, judged.max(-1).values >= options.confidence_threshold
-
-
-def stack_proposal(drafted: list[torch.Tensor], probs: list[torch.Tensor], counts: torch.Tensor) -> Proposal:
-    """A ``Proposal`` from per-step tokens (B,) and q (B, V) (empty when drafted greedily)."""
-    empty = torch.zeros(len(counts), 0, dtype=torch.long, device=counts.device)
-    tokens = torch.stack(drafted, 1) if drafted else empty
-    return Proposal(tokens=tokens, probs=torch.stack(probs, 1) if probs else None, counts=counts)
+    """The draft forwards a chain round of ``gamma`` proposals costs: a ``PairedDraft`` says
+    (one per proposal, unless it proposes several tokens per forward); a standalone LM, one per proposal."""
+    return draft.round_forwards(gamma) if isinstance(draft, PairedDraft) else gamma
 
 
 class LMDrafter:
@@ -168,28 +132,15 @@ class LMDrafter:
         options: DecodeOptions,
         generator: torch.Generator | None,
     ) -> Proposal:
-        """Up to ``budget[b]`` tokens per sequence, one draft forward per token. Sequences that stop
-        early (budget, dynamic gamma) feed padding, so that the batch stays dense."""
-        step_in, step_valid = self._unread(sequences, budget)
-        active = budget > 0
-        counts = torch.zeros_like(budget)
-        drafted: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for i in range(int(budget.max())):
-            logits = self.stream.forward(step_in, step_valid, logits_to_keep=1)[:, -1]  # (B, V)
-            token, q, confident = draft_step(logits, options, generator)
-            drafted.append(token)
-            if q is not None:
-                probs.append(q)
-            counts += active.long()
-            if confident is not None:
-                active &= confident
-            active &= budget > i + 1
-            if not bool(active.any()):
-                break
-            # The last drafted token is fed only if another one is to be drafted after it.
-            step_in, step_valid = token[:, None], active[:, None]
-        return stack_proposal(drafted, probs, counts)
+        """Up to ``budget[b]`` tokens per sequence, one draft forward per token (``draft_chain``).
+        Sequences that stop early (budget, dynamic gamma) feed padding, so that the batch stays dense."""
+        unread = self._unread(sequences, budget)
+
+        def next_logits(token: torch.Tensor | None, active: torch.Tensor) -> torch.Tensor:
+            step_in, step_valid = unread if token is None else (token[:, None], active[:, None])
+            return self.stream.forward(step_in, step_valid, logits_to_keep=1)[:, -1]  # (B, V)
+
+        return draft_chain(next_logits, budget, options, generator)
 
     def _unread(self, sequences: list[list[int]], budget: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed tokens the cache has not read, left-padded (B, W), and their validity (B, W)."""

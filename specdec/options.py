@@ -24,14 +24,15 @@ class DecodeOptions:
     verify_widths: run a verification over q tokens as one over ``verify_widths[q] >= q`` tokens,
         the extra inputs padding after the real ones (some CPU BLAS libraries are slower for 2-3
         rows than for 4; ``verify.tune_verify_widths`` measures it). Exact either way.
-    kv_reuse: a draft made of the target's first layers (the early-exit kind) shares the
-        target's cache, and verification runs only the target's remaining layers.
+    draft_options: the draft's own decode options, by name, as its kind declares and checks them
+        (``distill.drafts.kind.DecodeOption``; ``draftsmith eval --draft-option KEY=VALUE``); the
+        draft's decoding pair reads them.
     tree: draft a token tree of this shape each round instead of a chain (``tree_drafting``); then
         ``gamma`` and ``verify_widths`` are not used (the tree's depth takes gamma's place), and
         only batch 1 with a standalone draft LM is supported.
     compile: run the decoding steps of both models as compiled graphs over static caches
         (``compiled``; CUDA graphs on CUDA); None compiles on CUDA and decodes eager elsewhere.
-        Token trees and early-exit drafts sharing the target's cache always decode eager.
+        Token trees always decode eager; a draft with its own decoding pair may too.
     """
 
     gamma: int = 4
@@ -40,7 +41,7 @@ class DecodeOptions:
     confidence_threshold: float | None = None
     cache_kind: str | None = None
     verify_widths: Mapping[int, int] = field(default_factory=dict)
-    kv_reuse: bool = True
+    draft_options: Mapping[str, object] = field(default_factory=dict)
     tree: TreeShape | None = None
     compile: bool | None = None
 

@@ -123,7 +123,11 @@ class UpperLayersVerifier:
         """Nothing to do: the drafter selects the rows of the shared cache."""
 
     def verify_tree(self, last: int, tree: Tree) -> Verification:
-        raise DraftsmithError("a token tree is drafted on its own cache; pass --no-kv-reuse with --tree")
+        raise DraftsmithError(TREE_REFUSED)
 
     def commit_tree(self, tree: Tree, path: list[int]) -> None:
-        raise DraftsmithError("a token tree is drafted on its own cache; pass --no-kv-reuse with --tree")
+        raise DraftsmithError(TREE_REFUSED)
+
+
+# A tree's nodes are drafted on a cache of their own, which a verifier sharing the draft's cannot hold.
+TREE_REFUSED = "the upper layers verify chains on the cache they share with the draft; decode trees standalone"

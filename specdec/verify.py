@@ -21,9 +21,9 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.specdec.cache import default_cache_kind
+from draftsmith.specdec.clock import Clock
 from draftsmith.specdec.compiled import make_stream
-from draftsmith.specdec.drafters import Proposal
-from draftsmith.specdec.measure.clock import Clock
+from draftsmith.specdec.proposal import Proposal
 from draftsmith.specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits
 from draftsmith.specdec.stream import Verification, decoding_threads
 from draftsmith.specdec.tree_drafting import Tree, keep_target_path, verify_tree

@@ -35,10 +35,10 @@ from draftsmith.distill.drafts.lm import count_parameters
 from draftsmith.distill.losses import row_acceptance, row_cross_entropy, row_token_losses
 from draftsmith.distill.on_policy import OnPolicyMixer, OnPolicySettings, example_prompt
 from draftsmith.specdec import draft_vocab
+from draftsmith.specdec.clock import eval_mode
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import eos_token_ids, resolve_device
-from draftsmith.specdec.measure.clock import eval_mode
 from draftsmith.specdec.measure.costs import measure_cost_ratio
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.prompts import read_prompts

@@ -8,8 +8,9 @@
 - ``dflash``: Qwen3 decoder layers that fill a block of masks in one forward from the target's hidden
   states (DFlash), served by vLLM's ``dflash`` method, ``dflash.py``.
 
-``kind.py`` says what a kind answers. A new kind is one module with a ``KIND`` object and one entry
-in ``KINDS`` below (or ``register`` at run time); nothing else in draftsmith names a kind.
+``kind.py`` says what a kind answers, and ``KindBase`` / ``DraftModel`` answer it the way most kinds
+do. A new kind is one module with a ``KIND`` object (a ``KindBase`` overriding what differs) and one
+entry in ``KINDS`` below (or ``register`` at run time); nothing else in draftsmith names a kind.
 """
 
 from __future__ import annotations
@@ -20,19 +21,22 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.distill.drafts import dflash, eagle3, early_exit, lm, parallel
-from draftsmith.distill.drafts.kind import DraftKind, DraftSettings, Serving
+from draftsmith.distill.drafts.kind import DraftKind, DraftModel, DraftSettings, KindBase, Serving
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import load_model
 
 __all__ = [
     "KINDS",
     "DraftKind",
+    "DraftModel",
     "DraftSettings",
+    "KindBase",
     "Serving",
     "kind_named",
     "kind_of_folder",
     "kind_of_model",
     "load_draft",
+    "named_draft",
 ]
 
 KINDS: dict[str, DraftKind] = {
@@ -66,14 +70,23 @@ def kind_of_model(draft: torch.nn.Module) -> DraftKind:
     return next((kind for kind in _most_specific_first() if kind.owns(draft)), lm.KIND)
 
 
-def load_draft(spec: str, target: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A draft to evaluate, by spec: ``self`` (the target), an untrained draft a kind names
-    (``truncate:LAYERS``, ``early_exit:K``), a saved draft folder of any kind, or any model
-    ``specdec.loading.load_model`` takes (a .gguf file, a hub id, an alias)."""
+def named_draft(spec: str, target: PreTrainedModel) -> torch.nn.Module | None:
+    """The draft a kind names by ``spec`` (``self``, ``truncate:LAYERS``, ``early_exit:K``: built
+    from ``target``, untrained), or None when no kind names it (a folder, a file, a hub model)."""
     for kind in _most_specific_first():
         draft = kind.from_spec(spec, target)
         if draft is not None:
             return draft
+    return None
+
+
+def load_draft(spec: str, target: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A draft to evaluate, by spec: ``self`` (the target), an untrained draft a kind names
+    (``named_draft``), a saved draft folder of any kind, or any model ``specdec.loading.load_model``
+    takes (a .gguf file, a hub id, an alias)."""
+    draft = named_draft(spec, target)
+    if draft is not None:
+        return draft
     folder = Path(spec)
     kind = kind_of_folder(folder) if folder.is_dir() else None
     if kind is not None:

@@ -72,11 +72,18 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from draftsmith.distill import vocab_cut
-from draftsmith.distill.drafts.kind import Batch, DraftSettings, Predictions, Serving, check_options
+from draftsmith.distill.drafts.kind import (
+    Batch,
+    DraftModel,
+    DraftSettings,
+    KindBase,
+    OwnParameters,
+    Predictions,
+    Serving,
+)
 from draftsmith.specdec.cache import default_cache_kind
-from draftsmith.specdec.drafters import Proposal, draft_step, stack_proposal
+from draftsmith.specdec.drafters import Proposal, draft_chain
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.measure.hf_compare import configure_assistant
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.stream import ModelStream, Verification
 from draftsmith.specdec.tree import ROOT, TreeShape, path_to
@@ -155,9 +162,11 @@ def ttt_mask(key_ok: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tenso
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftModel):
     """An EAGLE-3 head for ``target`` (the module docstring). head_weight (R, H): the LM head's rows,
     for the target ids ``row_ids`` (R,); the draft vocabulary is a subset of them (``use_vocabulary``)."""
+
+    described_as = "an EAGLE-3 head"
 
     def __init__(self, target: PreTrainedModel, aux_layers, head_weight: torch.Tensor, row_ids: torch.Tensor):
         super().__init__()
@@ -196,14 +205,6 @@ class EagleHead(nn.Module):
         """An untrained head over the whole vocabulary, its embedding and head copied from the target's."""
         weight = target.get_output_embeddings().weight.detach()
         return cls(target, aux_layers, weight, torch.arange(weight.shape[0]))
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
 
     def use_vocabulary(self, ids: torch.Tensor | None) -> None:
         """Draft over the target ids ``ids`` (N,), in that order (the trainer's cut), or over all the
@@ -291,11 +292,6 @@ class EagleHead(nn.Module):
         verifier = TargetVerifier(target, batch_size, capacity, cache_kind, widths, feature_layers=self.aux_layers)
         return verifier, EagleDrafter(self, batch_size, capacity)
 
-    def decodes_compiled(self, target: PreTrainedModel, options: DecodeOptions) -> bool:
-        if options.compile:
-            raise DraftsmithError("an EAGLE-3 head decodes eager; pass --no-compile")
-        return False
-
 
 @dataclass
 class Unrolled:
@@ -320,7 +316,7 @@ def unroll(rows: torch.Tensor, length: int, steps: int) -> Unrolled:
     return Unrolled(anchors, teacher)
 
 
-class FedHead(nn.Module):
+class FedHead(OwnParameters):
     """The head as ``ModelStream`` runs a causal LM: token ids at positions in; logits over the
     target's vocabulary (B, K, V) and the layer output (``hidden_states[0]``, (B, Q, H)) out. A stream
     passes token ids only, so the features of the rows fed are handed over just before (``features``)."""
@@ -333,14 +329,6 @@ class FedHead(nn.Module):
     @property
     def config(self):
         return self.head.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.head.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.head.dtype
 
     def forward(
         self,
@@ -422,30 +410,21 @@ class EagleDrafter:
         options: DecodeOptions,
         generator: torch.Generator | None,
     ) -> Proposal:
-        """Up to ``budget[b]`` tokens per sequence, one head forward per token (the first also builds
-        the pending rows); sequences that stop early feed padding, so the batch stays dense."""
-        logits, hidden = self._read_pending(sequences)  # (B, V), (B, 1, H)
+        """Up to ``budget[b]`` tokens per sequence, one head forward per token (``draft_chain``; the first
+        also builds the pending rows); sequences that stop early feed padding, so the batch stays dense."""
+        first, hidden = self._read_pending(sequences)  # (B, V), (B, 1, H)
         built = torch.tensor(self.stream.lengths, device=budget.device)  # rows from the target's features
-        active = budget > 0
-        counts = torch.zeros_like(budget)
-        drafted: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for i in range(int(budget.max())):
-            token, q, confident = draft_step(logits, options, generator)
-            drafted.append(token)
-            if q is not None:
-                probs.append(q)
-            counts += active.long()
-            if confident is not None:
-                active &= confident
-            active &= budget > i + 1
-            if not bool(active.any()):
-                break
-            # The last drafted token is fed only if another one is to be drafted after it.
-            step_logits, hidden = self._forward(token[:, None], active[:, None], hidden, logits_to_keep=1)
-            logits = step_logits[:, -1]
+
+        def next_logits(token: torch.Tensor | None, active: torch.Tensor) -> torch.Tensor:
+            nonlocal hidden
+            if token is None:
+                return first
+            logits, hidden = self._forward(token[:, None], active[:, None], hidden, logits_to_keep=1)
+            return logits[:, -1]
+
+        proposal = draft_chain(next_logits, budget, options, generator)
         self.stream.rollback(built)  # rows built on the head's own features leave the cache
-        return stack_proposal(drafted, probs, counts)
+        return proposal
 
     def rollback(self, keep: torch.Tensor) -> None:
         """Nothing to drop: the cache holds fewer rows than the committed tokens (see the class docstring)."""
@@ -641,7 +620,7 @@ def load_head(folder: Path, target: PreTrainedModel) -> EagleHead:
     return head
 
 
-class EagleKind:
+class EagleKind(KindBase):
     """EAGLE-3 heads (``draft_kind: eagle3``). kind_options: ``aux_layers`` (three target layer ids,
     default (2, n//2, n-3)), ``ttt_steps`` (steps unrolled in training, default 3), ``step_decay``
     (step j's loss weight step_decay^j, default 0.8). ``train_draft_vocab: N``: the head's vocabulary
@@ -649,11 +628,13 @@ class EagleKind:
     and head too. ``draft_init`` and ``draft_layers`` (the standalone LM's) do not apply."""
 
     name = "eagle3"
+    model_class = EagleHead
+    option_types = OPTIONS
     standalone = False  # it reads the target's hidden states: transformers cannot run it as an assistant
     cuts_head = False  # its vocabulary is its own (d2t); the generic cut head (draft_vocab) never wraps it
 
     def check(self, settings: DraftSettings) -> None:
-        check_options(self.name, settings.options, OPTIONS)
+        super().check(settings)
         refused = {
             "lora_r": (settings.lora_r, 0),
             "draft_config": (settings.config, {}),
@@ -671,9 +652,6 @@ class EagleKind:
             raise DraftsmithError("kind_options: ttt_steps must be >= 1")
         if not 0 < settings.options.get("step_decay", DEFAULTS["step_decay"]) <= 1:
             raise DraftsmithError("kind_options: step_decay must be in (0, 1]")
-
-    def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:
-        return resolved
 
     def build(
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
@@ -734,34 +712,32 @@ class EagleKind:
     def load(self, folder: Path, target: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> EagleHead:
         return load_head(folder, target).to(device=device, dtype=dtype).eval()
 
-    def from_spec(self, spec: str, target: PreTrainedModel) -> EagleHead | None:
-        return None
-
     def architecture(self, folder: Path) -> tuple[str, dict]:
         config = read_layout(folder)
         return "eagle3", {key: config[key] for key in ("transformer_layer_config", "draft_vocab_size")}
-
-    def owns(self, draft: torch.nn.Module) -> bool:
-        return isinstance(draft, EagleHead)
 
     def check_export(self, folder: Path) -> None:
         read_layout(folder)
 
     def export(self, draft: EagleHead, tokenizer, folder: Path, serving: Serving) -> None:
-        """The speculators layout proposing ``serving.gamma`` tokens; ``generation_config.json`` carries
-        gamma and the tree shape for draftsmith's eval (vLLM reads neither from it)."""
+        """The speculators layout proposing ``serving.gamma`` tokens (what vLLM reads), and
+        ``write_serving``'s generation config (gamma and the tree shape for draftsmith's eval)."""
         write_layout(draft, folder, serving.gamma)
-        generation = copy.deepcopy(draft.generation_config)
-        configure_assistant(generation, serving.gamma)
-        if serving.tree is not None:
-            generation.draftsmith = {"tree": serving.tree}
-        generation.save_pretrained(folder)
+        self.write_serving(draft, folder, serving)
         tokenizer.save_pretrained(folder)
 
     def engine_config(self, folder: Path) -> dict:
         return {"method": "eagle3", "model": str(folder)}
 
-    def decoding_report(self, target: PreTrainedModel, draft: EagleHead, gamma: int, kv_reuse: bool) -> dict:
+    def card_description(self, settings: DraftSettings, folder: Path) -> str:
+        config = read_layout(folder)
+        return (
+            f"an EAGLE-3 head (one decoder layer in the speculators layout) reading the target's hidden states "
+            f"entering layers {config['eagle_aux_hidden_state_layer_ids']}, drafting over "
+            f"{config['draft_vocab_size']} tokens"
+        )
+
+    def decoding_report(self, target: PreTrainedModel, draft: EagleHead, options: DecodeOptions) -> dict:
         return {"aux_layers": list(draft.aux_layers), "draft_vocab_size": len(draft.vocab)}
 
 

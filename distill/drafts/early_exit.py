@@ -6,7 +6,9 @@ Because the first k layers are the target's, the keys and values the draft compu
 ones the target needs: draft and target share one cache, the drafter runs the shared layers on the
 target itself (``SharedLayersDrafter``), and verification runs only the target's layers k..L-1
 over the candidates (``specdec.self_spec.UpperLayersVerifier``; Draft & Verify, Zhang et al. 2024;
-LayerSkip, Elhoushi et al. 2024). Decoded with ``kv_reuse=False`` it is a standalone draft.
+LayerSkip, Elhoushi et al. 2024). With the decode option ``kv_reuse: false`` (``--draft-option
+kv_reuse=false``), and for token trees unless ``kv_reuse: true`` is asked, it decodes as a
+standalone draft on its own cache.
 
 A checkpoint holds only the trained parameters (``exit_head.safetensors``) and ``early_exit.json``
 (the target and k); the shared layers come from the target when it is loaded. Serving engines run
@@ -26,15 +28,14 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from draftsmith.distill import vocab_cut
-from draftsmith.distill.drafts.kind import Batch, DraftSettings, Predictions, Serving, check_options, layer_count
+from draftsmith.distill.drafts.kind import DecodeOption, DraftModel, DraftSettings, KindBase, Serving, layer_count
 from draftsmith.specdec.attention import use_exact_attention
 from draftsmith.specdec.cache import SlotCache, select_batch
+from draftsmith.specdec.clock import Clock
 from draftsmith.specdec.compiled import resolve_compile
 from draftsmith.specdec.decoder import standalone_pair
-from draftsmith.specdec.drafters import Proposal, Verification, draft_step, stack_proposal
+from draftsmith.specdec.drafters import Proposal, Verification, draft_chain
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.measure.clock import Clock
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.self_spec import UpperLayersVerifier, crop_to, run_layers, two_rows
 from draftsmith.specdec.stream import decoding_threads, needs_row_padding, standard_strides_into_head
@@ -44,9 +45,17 @@ from draftsmith.specdec.verify import TargetVerifier
 
 META = "early_exit.json"
 WEIGHTS = "exit_head.safetensors"
+KV_REUSE = "kv_reuse"  # the decode option: share the target's cache
 
 
-class EarlyExitDraft(nn.Module):
+def reuses_kv(options: DecodeOptions) -> bool:
+    """Whether the draft decodes on the cache it shares with the target: the ``kv_reuse`` decode
+    option when given, else for chains (a token tree is drafted on the draft's own cache)."""
+    chosen = options.draft_options.get(KV_REUSE)
+    return options.tree is None if chosen is None else bool(chosen)
+
+
+class EarlyExitDraft(DraftModel):
     def __init__(self, target: PreTrainedModel, k: int, adapter: bool = True):
         super().__init__()
         layers = target.get_decoder().layers
@@ -67,14 +76,6 @@ class EarlyExitDraft(nn.Module):
         object.__setattr__(self, "head", None)  # None: the target's head (``get_output_embeddings``)
         self.to(device=target.device, dtype=target.dtype)
         self.requires_grad_(True)
-
-    @property
-    def device(self) -> torch.device:
-        return self.target.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.target.dtype
 
     def get_input_embeddings(self) -> nn.Module:
         return self.target.get_input_embeddings()
@@ -178,15 +179,16 @@ class EarlyExitDraft(nn.Module):
     def decoding_pair(
         self, target: PreTrainedModel, batch_size: int, capacity: int, options: DecodeOptions
     ) -> tuple[TargetVerifier | UpperLayersVerifier, object]:
-        if not options.kv_reuse:
+        if not reuses_kv(options):
             return standalone_pair(target, self, batch_size, capacity, options)
         return shared_layers_pair(target, self, batch_size, capacity, options)
 
     def decodes_compiled(self, target: PreTrainedModel, options: DecodeOptions) -> bool:
-        if options.kv_reuse:
+        if reuses_kv(options):
             if options.compile:
                 raise DraftsmithError(
-                    "an early-exit draft sharing the target's cache decodes eager; pass --no-compile or --no-kv-reuse"
+                    "an early-exit draft sharing the target's cache decodes eager; pass --no-compile or "
+                    "--draft-option kv_reuse=false"
                 )
             return False
         return options.tree is None and resolve_compile(options.compile, target)
@@ -234,23 +236,21 @@ class SharedLayersDrafter:
         options: DecodeOptions,
         generator: torch.Generator | None,
     ) -> Proposal:
-        """Up to ``budget[0]`` tokens; ``reusable`` holds the layer-k states of ``[x_n, d_1 .. d_g]``."""
-        feed = torch.tensor([sequences[0][self.cache.get_seq_length() :]], device=self.target.device)
-        drafted, probs, states = [], [], []
-        for _ in range(int(budget[0])):
+        """Up to ``budget[0]`` tokens (``draft_chain``); ``reusable`` holds the layer-k states of
+        ``[x_n, d_1 .. d_g]``."""
+        unread = torch.tensor([sequences[0][self.cache.get_seq_length() :]], device=self.target.device)
+        states = []
+
+        def next_logits(token: torch.Tensor | None, active: torch.Tensor) -> torch.Tensor:
+            feed = unread if token is None else token[:, None]
             positions = self._positions(feed.shape[1])
             hidden = self._lower(feed, positions)  # (1, Q, H)
             states.append(hidden[:, -1:])
-            logits = self.draft.exit_logits(hidden, positions, self.cache, logits_to_keep=1)[:, -1]
-            token, q, confident = draft_step(logits, options, generator)  # (1,), (1, V) or None
-            drafted.append(token)
-            if q is not None:
-                probs.append(q)
-            feed = token[:, None]
-            if confident is not None and not bool(confident):
-                break
-        states.append(self.read(feed)[:, -1:])  # the last proposal (or x_n): the target needs its state
-        proposal = stack_proposal(drafted, probs, torch.tensor([len(drafted)], device=self.target.device))
+            return self.draft.exit_logits(hidden, positions, self.cache, logits_to_keep=1)[:, -1]
+
+        proposal = draft_chain(next_logits, budget, options, generator)
+        last = proposal.tokens[:, -1:] if proposal.tokens.shape[1] else unread
+        states.append(self.read(last)[:, -1:])  # the last proposal (or x_n): the target needs its state
         proposal.reusable = torch.cat(states, 1)  # (1, g+1, H)
         return proposal
 
@@ -264,10 +264,13 @@ class SharedLayersDrafter:
         select_batch(self.cache, rows)
 
     def propose_tree(self, sequence: list[int], shape: TreeShape, max_depth: int) -> Tree:
-        raise DraftsmithError("a token tree is drafted on its own cache; pass --no-kv-reuse with --tree")
+        raise DraftsmithError(TREE_REFUSED)
 
     def commit_tree(self, tree: Tree, path: list[int]) -> None:
-        raise DraftsmithError("a token tree is drafted on its own cache; pass --no-kv-reuse with --tree")
+        raise DraftsmithError(TREE_REFUSED)
+
+
+TREE_REFUSED = "a token tree is drafted on the draft's own cache; leave out --draft-option kv_reuse=true with --tree"
 
 
 def shared_layers_pair(
@@ -275,13 +278,13 @@ def shared_layers_pair(
 ) -> tuple[UpperLayersVerifier, SharedLayersDrafter]:
     """Verifier and drafter sharing one cache, for an early-exit draft of ``target``."""
     if options.tree is not None:
-        raise DraftsmithError(
-            "tree decoding needs a standalone draft: a token tree is drafted on its own cache; pass --no-kv-reuse"
-        )
+        raise DraftsmithError(TREE_REFUSED)
     if batch_size != 1:
-        raise DraftsmithError("KV reuse decodes one sequence at a time; use --batch-size 1 or --no-kv-reuse")
+        raise DraftsmithError(
+            "KV reuse decodes one sequence at a time; use --batch-size 1 or --draft-option kv_reuse=false"
+        )
     if options.cache_kind not in (None, "slot"):
-        raise DraftsmithError("KV reuse uses the slot cache; drop --cache or use --no-kv-reuse")
+        raise DraftsmithError("KV reuse uses the slot cache; drop --cache or use --draft-option kv_reuse=false")
     if not 1 <= draft.k < target.config.num_hidden_layers:
         layers = target.config.num_hidden_layers
         raise DraftsmithError(f"an early-exit draft shares 1..{layers - 1} of the target's layers, not {draft.k}")
@@ -326,16 +329,28 @@ def measure_verify_saving(
     return {"verify_s_kv_reuse": reuse, "verify_s_full": full_s, "verify_time_saved": 1 - reuse / full_s}
 
 
-class EarlyExitKind:
+class EarlyExitKind(KindBase):
     """The early-exit draft (``draft_kind: early_exit``): ``draft_layers`` is k, the target layers it
-    shares; ``kind_options: {adapter: false}`` leaves out the trainable adapter layer."""
+    shares; ``kind_options: {adapter: false}`` leaves out the trainable adapter layer. Decode option
+    ``kv_reuse`` (``--draft-option kv_reuse=false``): decode as a standalone draft instead."""
 
     name = "early_exit"
+    model_class = EarlyExitDraft
+    option_types = {"adapter": bool}
+    decode_options = {
+        KV_REUSE: DecodeOption(
+            bool,
+            None,
+            "share the target's cache and verify with its layers above k (default: for chains, not for token trees)",
+            old_flag="--no-kv-reuse",
+            old_value=False,
+        )
+    }
     standalone = False  # it runs the target's own layers: no serving engine loads it alone
     cuts_head = False  # it exits through the target's full head, shared
 
     def check(self, settings: DraftSettings) -> None:
-        check_options(self.name, settings.options, {"adapter": bool})
+        super().check(settings)
         layer_count(settings.layers, self.name)
         refused = {
             "lora_r": (settings.lora_r, 0),
@@ -361,24 +376,12 @@ class EarlyExitKind:
         # Its shared layers, embeddings and head are the target's, frozen.
         return EarlyExitDraft(target, layer_count(settings.layers, self.name), adapter=adapter).train()
 
-    def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
-        return ()
-
-    def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
-        """Its own causal-LM forward, the head run at the loss rows only (cut to ``batch.head_ids``)."""
-        with vocab_cut.loss_rows_head(model, batch.rows, batch.head_ids):
-            logits = draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        return Predictions(logits)  # (M, N or V)
-
     def save(self, draft: EarlyExitDraft, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
         draft.save(folder, target_name)
         tokenizer.save_pretrained(folder)
 
     def files(self) -> tuple[str, ...]:
         return (META, WEIGHTS)
-
-    def recognises(self, folder: Path) -> bool:
-        return (folder / META).is_file()
 
     def load(self, folder: Path, target: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> EarlyExitDraft:
         return EarlyExitDraft.load(folder, target)
@@ -390,9 +393,6 @@ class EarlyExitKind:
 
     def architecture(self, folder: Path) -> tuple[str, dict]:
         return "early-exit", json.loads((folder / META).read_text())
-
-    def owns(self, draft: torch.nn.Module) -> bool:
-        return isinstance(draft, EarlyExitDraft)
 
     def check_export(self, folder: Path) -> None:
         raise DraftsmithError(
@@ -409,9 +409,20 @@ class EarlyExitKind:
             "drafts (a model folder, truncate:N or self)"
         )
 
-    def decoding_report(self, target: PreTrainedModel, draft: EarlyExitDraft, gamma: int, kv_reuse: bool) -> dict:
+    def card_description(self, settings: DraftSettings, folder: Path) -> str:
+        return f"an early-exit draft: the target's first {settings.layers} layers, shared, and an exit head"
+
+    def decoding_report(self, target: PreTrainedModel, draft: EarlyExitDraft, options: DecodeOptions) -> dict:
         """The verification pass with and without KV reuse, timed, and whether this run reused."""
-        return {**measure_verify_saving(target, draft, gamma), "kv_reuse": kv_reuse}
+        return {**measure_verify_saving(target, draft, options.gamma), KV_REUSE: reuses_kv(options)}
+
+    def report_lines(self, report: dict) -> list[str]:
+        return [
+            f"verification pass over {report['gamma'] + 1} tokens: "
+            f"{report['verify_s_kv_reuse'] * 1e3:.1f} ms with KV reuse, "
+            f"{report['verify_s_full'] * 1e3:.1f} ms with the full target ({report['verify_time_saved']:.1%} saved); "
+            f"this run {'reused' if report[KV_REUSE] else 'did not reuse'} the draft's KV"
+        ]
 
 
 KIND = EarlyExitKind()

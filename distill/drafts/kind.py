@@ -4,22 +4,36 @@ A *kind* is everything that makes one family of drafts: how it is built from a t
 settings, its setting checks, how it is saved, recognised and loaded, its training forward (what it
 needs from the teacher), the (verifier, drafter) pair it decodes with (a draft model that is a
 ``specdec.drafters.PairedDraft`` builds its own; any other is a standalone LM to the decoder), and
-how it is exported for serving. The trainer, checkpoints, eval, eval-run, publish and the command
-line ask the kind (``distill.drafts.kind_named``, ``kind_of_folder``, ``kind_of_model``); none of them
-tests for a particular kind.
+how it is exported for serving, the serving settings its folder carries, the model card's
+description and usage, and the decode options it takes. The trainer, checkpoints, eval, eval-run,
+publish and the command line ask the kind (``distill.drafts.kind_named``, ``kind_of_folder``,
+``kind_of_model``); none of them tests for a particular kind.
+
+``DraftKind`` lists the calls; ``KindBase`` answers most of them the way most kinds do, so that a
+new kind overrides only what differs (``build``, ``save``, ``files``, ``load``, ``model_class`` and,
+for a draft that decodes with its own pair, a ``DraftModel``).
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from torch import nn
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from draftsmith.distill import vocab_cut
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.measure.hf_compare import configure_assistant
+from draftsmith.specdec.options import DecodeOptions
+
+GENERATION_CONFIG = "generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -100,12 +114,27 @@ class Predictions:
     weights: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DecodeOption:
+    """A decode option a kind declares (``draftsmith eval --draft-option KEY=VALUE``), read by its
+    decoding pair from ``DecodeOptions.draft_options``. type: what the value must be; default: what
+    the kind does without it (None: it decides by the other options); help: one line for ``--help``.
+    old_flag / old_value: a command-line flag it replaces, still taken (with a hint) as KEY=old_value."""
+
+    type: type
+    default: object
+    help: str
+    old_flag: str | None = None
+    old_value: object = None
+
+
 class DraftKind(Protocol):
     """The calls a kind module answers (one object per module, registered in ``distill.drafts``)."""
 
     name: str
     standalone: bool  # its folder is a model transformers and serving engines load as is
     cuts_head: bool  # it can train and decode with its head cut to frequent tokens
+    decode_options: Mapping[str, DecodeOption]  # what ``DecodeOptions.draft_options`` may hold for it
 
     def check(self, settings: DraftSettings) -> None:
         """Refuse settings this kind does not take, by name (``DraftsmithError``)."""
@@ -175,8 +204,32 @@ class DraftKind(Protocol):
         ``num_speculative_tokens`` (e.g. ``{"method": "draft_model", "model": folder}``)."""
         ...
 
-    def decoding_report(self, target: PreTrainedModel, draft: torch.nn.Module, gamma: int, kv_reuse: bool) -> dict:
+    def write_serving(self, draft: torch.nn.Module, folder: Path, serving: Serving) -> None:
+        """Write the measured ``serving`` settings into the exported ``folder`` (``export`` calls it)."""
+        ...
+
+    def read_serving(self, folder: Path) -> Serving | None:
+        """The serving settings ``write_serving`` wrote into ``folder`` (eval's defaults), or None."""
+        ...
+
+    def card_description(self, settings: DraftSettings, folder: Path) -> str:
+        """What the draft is, in one clause of the model card (``folder``: the exported draft)."""
+        ...
+
+    def card_usage(self, target: str, draft_ref: str, gamma: int) -> list[str]:
+        """The model card's usage section (markdown lines): each engine that runs the draft as written."""
+        ...
+
+    def check_decode_options(self, values: Mapping[str, object]) -> None:
+        """Refuse decode options (``--draft-option``) this kind does not take, by name."""
+        ...
+
+    def decoding_report(self, target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> dict:
         """Figures ``draftsmith eval`` adds to its report for this kind ({} for none)."""
+        ...
+
+    def report_lines(self, report: dict) -> list[str]:
+        """Lines ``draftsmith eval`` prints after its table about what ``decoding_report`` added."""
         ...
 
 
@@ -198,3 +251,197 @@ def layer_count(layers: str, kind: str) -> int:
         return int(layers)
     except ValueError as err:
         raise DraftsmithError(f"{kind} drafts take draft_layers as a layer count, got {layers!r}") from err
+
+
+def serving_generation_config(config: GenerationConfig, serving: Serving) -> GenerationConfig:
+    """A copy of ``config`` carrying ``serving``: transformers' assisted generation reads gamma from it
+    (``configure_assistant``), draftsmith's decoder also the tree shape (transformers and vLLM ignore it)."""
+    config = copy.deepcopy(config)
+    configure_assistant(config, serving.gamma)
+    if serving.tree is not None:
+        config.draftsmith = {"tree": serving.tree}
+    return config
+
+
+def generation_serving(folder: Path) -> Serving | None:
+    """The serving settings a folder's ``generation_config.json`` carries (``serving_generation_config``):
+    gamma when it sets the constant schedule, with the tree shape when it has one; else None."""
+    path = folder / GENERATION_CONFIG
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if config.get("num_assistant_tokens_schedule") != "constant" or "num_assistant_tokens" not in config:
+        return None
+    return Serving(gamma=config["num_assistant_tokens"], tree=config.get("draftsmith", {}).get("tree"))
+
+
+def transformers_usage(target: str, draft_ref: str, gamma: int, note: str = "") -> list[str]:
+    """The card's transformers snippet: assisted generation with the draft as ``assistant_model``."""
+    return [
+        f"transformers (assisted generation; `generation_config.json` sets {gamma} draft tokens per round, "
+        f"the constant schedule and no confidence cut{note}):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'target = AutoModelForCausalLM.from_pretrained("{target}")',
+        f'draft = AutoModelForCausalLM.from_pretrained("{draft_ref}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
+        'inputs = tokenizer("Why is the sky blue?", return_tensors="pt")',
+        "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)",
+        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
+        "```",
+        "",
+    ]
+
+
+def vllm_usage(target: str, engine_config: dict, gamma: int) -> list[str]:
+    """The card's vLLM snippet: the kind's ``engine_config`` with ``num_speculative_tokens``, as a literal."""
+    config = {**engine_config, "num_speculative_tokens": gamma}
+    return [
+        f"vLLM (speculative decoding, method `{engine_config['method']}`):",
+        "",
+        "```python",
+        "from vllm import LLM",
+        f'llm = LLM(model="{target}", speculative_config={config!r})',
+        "```",
+        "",
+    ]
+
+
+class OwnParameters(nn.Module):
+    """A module whose device and dtype are those of its parameters (as a transformers model's are)."""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+
+class DraftModel(OwnParameters):
+    """A draft model that decodes with its own (verifier, drafter) pair (``specdec.drafters.PairedDraft``),
+    with what most such drafts share: its device and dtype are its parameters', a chain round costs
+    one draft forward per proposal, and it decodes eager. A subclass writes ``decoding_pair``."""
+
+    described_as = "this draft"  # how messages name it
+
+    def round_forwards(self, gamma: int) -> int:
+        """Draft forwards of a chain round of ``gamma`` proposals: one per proposal."""
+        return gamma
+
+    def decodes_compiled(self, target: PreTrainedModel, options: DecodeOptions) -> bool:
+        """Eager; ``options.compile`` is refused."""
+        if options.compile:
+            raise DraftsmithError(f"{self.described_as} decodes eager; pass --no-compile")
+        return False
+
+    def decoding_pair(self, target: PreTrainedModel, batch_size: int, capacity: int, options: DecodeOptions):
+        """(verifier, drafter) for ``batch_size`` sequences of up to ``capacity`` tokens."""
+        raise NotImplementedError(f"{type(self).__name__} does not build a decoding pair")
+
+
+class KindBase:
+    """``DraftKind`` with what most kinds do the same way; a kind subclasses it and overrides what differs.
+
+    Class attributes: ``name``; ``model_class``: the class of its draft objects (``owns``);
+    ``option_types``: its ``kind_options`` and their types (``check``); ``decode_options``: the
+    decode options it takes; ``standalone``: its folder is a causal LM transformers loads as an
+    assistant (the card then shows transformers' usage); ``cuts_head``. The first of ``files()``
+    marks a folder of this kind (``recognises``).
+    """
+
+    name: str = ""
+    model_class: type | tuple[type, ...] = ()
+    option_types: Mapping[str, type] = {}
+    decode_options: Mapping[str, DecodeOption] = {}
+    standalone: bool = False
+    cuts_head: bool = False
+
+    def check(self, settings: DraftSettings) -> None:
+        check_options(self.name, settings.options, dict(self.option_types))
+
+    def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:
+        return resolved
+
+    def build(
+        self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
+    ) -> torch.nn.Module:
+        raise NotImplementedError(f"the {self.name} kind does not build drafts")
+
+    def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
+        return ()
+
+    def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
+        """A causal-LM forward, the head run at the loss rows only (cut to ``batch.head_ids``)."""
+        with vocab_cut.loss_rows_head(model, batch.rows, batch.head_ids):
+            logits = draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        return Predictions(logits)  # (M, N or V)
+
+    def save(self, draft: torch.nn.Module, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
+        raise NotImplementedError(f"the {self.name} kind does not save drafts")
+
+    def files(self) -> tuple[str, ...]:
+        raise NotImplementedError(f"the {self.name} kind names no files")
+
+    def recognises(self, folder: Path) -> bool:
+        return (folder / self.files()[0]).is_file()
+
+    def load(self, folder: Path, target: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        raise NotImplementedError(f"the {self.name} kind does not load drafts")
+
+    def from_spec(self, spec: str, target: PreTrainedModel) -> torch.nn.Module | None:
+        return None
+
+    def architecture(self, folder: Path) -> tuple[str, dict]:
+        """Every draft of the kind has the same step time unless a kind says what changes it."""
+        return self.name, {}
+
+    def owns(self, draft: torch.nn.Module) -> bool:
+        return isinstance(draft, self.model_class)
+
+    def check_export(self, folder: Path) -> None:
+        """Any saved draft of the kind can be published."""
+
+    def export(self, draft: torch.nn.Module, tokenizer, folder: Path, serving: Serving) -> None:
+        """The draft as ``save`` writes it, with the serving settings (``write_serving``)."""
+        self.save(draft, None, tokenizer, folder, "")
+        self.write_serving(draft, folder, serving)
+
+    def engine_config(self, folder: Path) -> dict:
+        raise DraftsmithError(
+            f"{folder} is a {self.name} draft, which no serving engine runs; evaluate it with draftsmith eval"
+        )
+
+    def write_serving(self, draft: torch.nn.Module, folder: Path, serving: Serving) -> None:
+        """``generation_config.json`` carrying ``serving`` (``serving_generation_config``)."""
+        serving_generation_config(draft.generation_config, serving).save_pretrained(folder)
+
+    def read_serving(self, folder: Path) -> Serving | None:
+        return generation_serving(folder)
+
+    def card_description(self, settings: DraftSettings, folder: Path) -> str:
+        return f"a {self.name} draft"
+
+    def card_usage(self, target: str, draft_ref: str, gamma: int) -> list[str]:
+        """transformers' usage for a standalone draft, vLLM's from ``engine_config``."""
+        lines = ["", "## Usage", ""]
+        if self.standalone:
+            lines += transformers_usage(target, draft_ref, gamma)
+        return lines + vllm_usage(target, self.engine_config(Path(draft_ref)), gamma)
+
+    def check_decode_options(self, values: Mapping[str, object]) -> None:
+        for key, value in values.items():
+            if key not in self.decode_options:
+                names = ", ".join(sorted(self.decode_options)) or "none"
+                raise DraftsmithError(
+                    f"--draft-option {key}: not a decode option of {self.name} drafts (theirs: {names})"
+                )
+            wanted = self.decode_options[key].type
+            if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
+                raise DraftsmithError(f"--draft-option {key} must be a {wanted.__name__}, got {value!r}")
+
+    def decoding_report(self, target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> dict:
+        return {}
+
+    def report_lines(self, report: dict) -> list[str]:
+        return []

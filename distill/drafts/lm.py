@@ -24,11 +24,9 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.distill import vocab_cut
-from draftsmith.distill.drafts.kind import Batch, DraftSettings, Predictions, Serving, check_options
+from draftsmith.distill.drafts.kind import DraftSettings, KindBase, Serving
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import check_compatible, load_model, load_tokenizer
-from draftsmith.specdec.measure.hf_compare import configure_assistant
 
 
 def parse_layers(spec: int | str | Sequence[int], num_layers: int) -> list[int]:
@@ -137,10 +135,25 @@ def refuse_bare_adapter(folder: Path) -> None:
         )
 
 
-class LMKind:
+def describe(settings: DraftSettings) -> str:
+    """How a standalone LM draft started, as the model card says it."""
+    if settings.init == "truncate":
+        layers = str(settings.layers).strip()
+        kept = f"first {layers} layers" if layers.isdigit() else f"layers {layers}"
+        made = f"the target truncated to its {kept}"
+    elif settings.init == "config":
+        made = f"a new model of the target's architecture with {settings.config or 'its own config'}"
+    else:
+        made = f"`{settings.model}`"
+    lora = f", trained through a LoRA adapter of rank {settings.lora_r} (merged)" if settings.lora_r else ""
+    return f"a standalone causal LM, starting from {made}{lora}"
+
+
+class LMKind(KindBase):
     """The standalone draft LM (``draft_kind: lm``)."""
 
     name = "lm"
+    model_class = (PreTrainedModel, PeftModel)
     standalone = True
     cuts_head = True
 
@@ -157,10 +170,7 @@ class LMKind:
             raise DraftsmithError(
                 f"draft_model applies to draft_init pretrained; draft_init {settings.init} ignores it: leave it out"
             )
-        check_options(self.name, settings.options, {})
-
-    def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:
-        return resolved
+        super().check(settings)
 
     def build(
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
@@ -182,15 +192,6 @@ class LMKind:
         if settings.lora_r:
             draft = add_lora(draft, settings.lora_r, settings.lora_alpha, list(settings.lora_target_modules))
         return draft
-
-    def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
-        return ()
-
-    def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
-        """Its own causal-LM forward, the head run at the loss rows only (cut to ``batch.head_ids``)."""
-        with vocab_cut.loss_rows_head(model, batch.rows, batch.head_ids):
-            logits = draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        return Predictions(logits)  # (M, N or V)
 
     def save(self, draft: torch.nn.Module, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
         if isinstance(draft, PeftModel):
@@ -220,27 +221,21 @@ class LMKind:
         config = json.loads((folder / "config.json").read_text())
         return config.get("model_type", "model"), config
 
-    def owns(self, draft: torch.nn.Module) -> bool:
-        return isinstance(draft, PreTrainedModel | PeftModel)
-
     def check_export(self, folder: Path) -> None:
         refuse_bare_adapter(folder)
 
     def export(self, draft: torch.nn.Module, tokenizer, folder: Path, serving: Serving) -> None:
-        """A Hugging Face model folder; ``generate(assistant_model=...)`` reads gamma from its
-        generation config, draftsmith's decoder the tree shape (transformers and vLLM ignore it)."""
-        configure_assistant(draft.generation_config, serving.gamma)
-        if serving.tree is not None:
-            draft.generation_config.draftsmith = {"tree": serving.tree}
+        """A Hugging Face model folder, its generation config carrying ``serving`` (``write_serving``)."""
         draft.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
+        self.write_serving(draft, folder, serving)
 
     def engine_config(self, folder: Path) -> dict:
         refuse_bare_adapter(folder)
         return {"method": "draft_model", "model": str(folder)}
 
-    def decoding_report(self, target: PreTrainedModel, draft: torch.nn.Module, gamma: int, kv_reuse: bool) -> dict:
-        return {}
+    def card_description(self, settings: DraftSettings, folder: Path) -> str:
+        return describe(settings)
 
 
 KIND = LMKind()

@@ -61,12 +61,21 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill import vocab_cut
 from draftsmith.distill.drafts import lm
-from draftsmith.distill.drafts.kind import Batch, DraftSettings, Predictions, Serving, check_options
+from draftsmith.distill.drafts.kind import (
+    Batch,
+    DraftModel,
+    DraftSettings,
+    KindBase,
+    Predictions,
+    Serving,
+    transformers_usage,
+    vllm_usage,
+)
 from draftsmith.distill.losses import row_acceptance
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.compiled import make_stream, resolve_compile
-from draftsmith.specdec.drafters import Proposal, draft_step, stack_proposal
+from draftsmith.specdec.drafters import Proposal, draft_chain, stack_proposal
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import eos_token_ids, load_model, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
@@ -92,7 +101,7 @@ class ChainSettings:
     cod_min: float = DEFAULTS["cod_min"]
 
 
-class ParallelDraft(nn.Module):
+class ParallelDraft(DraftModel):
     """A causal LM (``lm``) that drafts K tokens per forward with ``mask_token_id`` (PARD).
 
     Its forward is the LM's (training calls it through accelerate's wrapper); it decodes with its
@@ -127,14 +136,6 @@ class ParallelDraft(nn.Module):
     @property
     def generation_config(self):
         return self.lm.generation_config
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm.dtype
 
     def get_input_embeddings(self) -> nn.Module:
         return self.lm.get_input_embeddings()
@@ -238,20 +239,8 @@ class ParallelDrafter:
         if width == 0:  # no sequence may draft (each can emit only the target's next token)
             proposal = stack_proposal([], [], torch.zeros_like(budget))
             return ParallelProposal(proposal.tokens, None, proposal.counts, forwards=0)
-        logits = self.draft_rows(sequences, budget > 0, width)
-        drafted, probs, sure = [], [], []
-        for j in range(width):
-            token, q, confident = draft_step(logits[:, j], options, generator)  # (B,), (B, V) or None
-            drafted.append(token)
-            if q is not None:
-                probs.append(q)
-            if confident is not None:
-                sure.append(confident)
-        counts = budget.clone()
-        if sure:  # each chain ends with its first unconfident token
-            leading = torch.stack(sure, 1).long().cumprod(1).sum(1)  # (B,) confident tokens before the first doubt
-            counts = torch.minimum(counts, leading + 1)
-        proposal = stack_proposal(drafted, probs, counts)
+        rows = iter(self.draft_rows(sequences, budget > 0, width).unbind(1))  # (B, V) each: q_1 .. q_width
+        proposal = draft_chain(lambda token, active: next(rows), budget, options, generator)
         return ParallelProposal(proposal.tokens, proposal.probs, proposal.counts)
 
     def rollback(self, keep: torch.Tensor) -> None:
@@ -476,7 +465,7 @@ def every_chain(
     return logits, teacher_rows, torch.cat([torch.zeros_like(rows), chains.step])
 
 
-class ParallelKind:
+class ParallelKind(KindBase):
     """The parallel draft (``draft_kind: parallel``): a standalone LM as ``lm`` builds it (``draft_init``,
     ``draft_layers``, ...) with ``kind_options``: ``mask_token_id`` (required: an id of the target's
     vocabulary the data never uses, e.g. 16 ``<empty_output>`` for SmolLM2), ``k`` (the tokens a
@@ -484,6 +473,8 @@ class ParallelKind:
     drop: 0.7 and 0.2)."""
 
     name = "parallel"
+    model_class = ParallelDraft
+    option_types = OPTIONS
     standalone = True
     # It trains with a cut head (train_draft_vocab) and decodes with the cut its folder carries
     # (``load``); a wrapper cutting it again would hide its drafter, so nothing else cuts it.
@@ -491,7 +482,7 @@ class ParallelKind:
 
     def check(self, settings: DraftSettings) -> None:
         lm.KIND.check(dataclasses.replace(settings, options={}))
-        check_options(self.name, settings.options, OPTIONS)
+        super().check(settings)
         options = self.options(settings)
         if "mask_token_id" not in settings.options:
             raise DraftsmithError(
@@ -513,9 +504,6 @@ class ParallelKind:
     def options(self, settings: DraftSettings) -> dict:
         return DEFAULTS | settings.options
 
-    def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:
-        return resolved
-
     def build(
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
     ) -> ParallelDraft:
@@ -536,9 +524,6 @@ class ParallelKind:
             )
         chains = ChainSettings(**{key: self.options(settings)[key] for key in DEFAULTS})
         return ParallelDraft(model, mask, chains).train()
-
-    def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
-        return ()
 
     def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
         """The ordinary predictions at the loss rows (M, n), then, in training, every kept chain step
@@ -591,12 +576,6 @@ class ParallelKind:
         config = json.loads((folder / "config.json").read_text())
         return f"parallel-{config.get('model_type', 'model')}", config
 
-    def owns(self, draft: torch.nn.Module) -> bool:
-        return isinstance(draft, ParallelDraft)
-
-    def check_export(self, folder: Path) -> None:
-        """Any saved parallel draft is a plain model folder."""
-
     def export(self, draft: torch.nn.Module, tokenizer, folder: Path, serving: Serving) -> None:
         """A model folder whose config.json names the mask (``pard_token``, ``mask_token_id``)."""
         lm.KIND.export(draft.lm, tokenizer, folder, serving)
@@ -604,7 +583,18 @@ class ParallelKind:
     def engine_config(self, folder: Path) -> dict:
         return {"method": "draft_model", "model": str(folder), "parallel_drafting": True}
 
-    def decoding_report(self, target: PreTrainedModel, draft: torch.nn.Module, gamma: int, kv_reuse: bool) -> dict:
+    def card_description(self, settings: DraftSettings, folder: Path) -> str:
+        mask = json.loads((folder / "config.json").read_text())["pard_token"]
+        made = lm.describe(settings)
+        return f"a parallel (PARD) draft drafting a whole round in one forward (mask token {mask}); {made}"
+
+    def card_usage(self, target: str, draft_ref: str, gamma: int) -> list[str]:
+        """transformers runs it as an ordinary assistant (one forward per token); vLLM drafts in parallel."""
+        note = "; transformers drafts one token per forward with it, vLLM a whole round in one"
+        vllm = vllm_usage(target, self.engine_config(Path(draft_ref)), gamma)
+        return ["", "## Usage", "", *transformers_usage(target, draft_ref, gamma, note), *vllm]
+
+    def decoding_report(self, target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> dict:
         return {"mask_token_id": draft.mask_token_id}
 
 

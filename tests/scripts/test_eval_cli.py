@@ -24,7 +24,7 @@ def prompts(tmp_path):
     return path
 
 
-def run_eval(pair, prompts, tmp_path, *extra):
+def run_eval(pair, prompts, tmp_path, *extra, draft=None):
     out = tmp_path / "report.json"
     code = main(
         [
@@ -32,7 +32,7 @@ def run_eval(pair, prompts, tmp_path, *extra):
             "--target",
             str(pair[0]),
             "--draft",
-            str(pair[1]),
+            draft or str(pair[1]),
             "--prompts",
             str(prompts),
             "--max-new-tokens",
@@ -139,15 +139,31 @@ def test_unknown_model_path(prompts, capsys):
 
 def test_early_exit_draft_with_and_without_kv_reuse(pair, prompts, tmp_path, capsys):
     outs = []
-    for extra in ([], ["--no-kv-reuse"]):
-        code, out = run_eval(pair, prompts, tmp_path, "--draft", "early_exit:1", *extra)
+    for extra in ([], ["--draft-option", "kv_reuse=false"], ["--no-kv-reuse"]):
+        code, out = run_eval(pair, prompts, tmp_path, *extra, draft="early_exit:1")
         assert code == 0
         outs.append(json.loads(out.read_text()))
-    assert [o["kv_reuse"] for o in outs] == [True, False]
+    shown = capsys.readouterr()
+    assert "--no-kv-reuse is now --draft-option kv_reuse=false" in shown.err
+    assert [o["kv_reuse"] for o in outs] == [True, False, False]
     assert all(o["greedy_match"] == 1.0 for o in outs)
     assert outs[0]["proposed"] == outs[1]["proposed"] and outs[0]["accepted"] == outs[1]["accepted"]
     assert "verify_time_saved" in outs[0]
-    assert "with KV reuse" in capsys.readouterr().out
+    assert "with KV reuse" in shown.out
+
+
+def test_a_draft_option_is_checked_by_the_drafts_kind(pair, prompts, tmp_path, capsys):
+    code, _ = run_eval(pair, prompts, tmp_path, "--draft-option", "kv_reus=false", draft="early_exit:1")
+    assert code == 2
+    assert (
+        "--draft-option kv_reus: not a decode option of early_exit drafts (theirs: kv_reuse)" in capsys.readouterr().err
+    )
+    code, _ = run_eval(pair, prompts, tmp_path, "--draft-option", "kv_reuse=false")
+    assert code == 2
+    assert "not a decode option of lm drafts (theirs: none)" in capsys.readouterr().err
+    code, _ = run_eval(pair, prompts, tmp_path, "--draft-option", "kv_reuse=3", draft="early_exit:1")
+    assert code == 2
+    assert "--draft-option kv_reuse must be a bool, got 3" in capsys.readouterr().err
 
 
 def test_draft_vocab_cuts_the_head_and_keeps_greedy_output(pair, prompts, tmp_path, capsys):

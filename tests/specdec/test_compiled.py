@@ -112,7 +112,12 @@ def test_compiled_is_the_default_on_cuda_only(target):
     assert decodes_compiled(target, draft, DecodeOptions()) == (target.device.type == "cuda")
     assert decodes_compiled(target, draft, DecodeOptions(compile=False)) is False
     assert decodes_compiled(target, EarlyExitDraft(target, k=1), DecodeOptions()) is False  # shares the target's cache
-    assert decodes_compiled(target, EarlyExitDraft(target, k=1), DecodeOptions(kv_reuse=False, compile=True)) is True
+    assert (
+        decodes_compiled(
+            target, EarlyExitDraft(target, k=1), DecodeOptions(draft_options={"kv_reuse": False}, compile=True)
+        )
+        is True
+    )
 
 
 def test_where_decoding_stays_eager_compiling_is_refused_in_one_line(target):

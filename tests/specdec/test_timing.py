@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from draftsmith.specdec.measure.clock import eval_mode
+from draftsmith.specdec.clock import eval_mode
 
 
 def test_eval_mode_gives_each_model_its_own_mode_back_even_after_an_error():

@@ -128,22 +128,24 @@ def test_bad_tree_settings_are_clear_errors(pair):
     target, draft = pair
     with pytest.raises(DraftsmithError, match="one prompt at a time"):
         speculative_generate(target, draft, [[0, 4], [0, 5]], 4, options=_tree("2,1"))
-    with pytest.raises(DraftsmithError, match="standalone draft"):
-        speculative_generate(target, EarlyExitDraft(target, 1), [[0, 4]], 4, options=_tree("2,1"))
+    with pytest.raises(DraftsmithError, match="a token tree is drafted on the draft's own cache"):
+        reuse = {"kv_reuse": True}  # an early-exit draft on the target's cache drafts chains only
+        speculative_generate(target, EarlyExitDraft(target, 1), [[0, 4]], 4, options=_tree("2,1", draft_options=reuse))
     with pytest.raises(DraftsmithError, match="tree must be a TreeShape"):
         DecodeOptions(tree="3,2,1")
     with pytest.raises(DraftsmithError, match="--tree takes"):
         TreeShape.parse("3,x")
 
 
-def test_an_early_exit_draft_without_kv_reuse_drafts_trees(pair):
+def test_an_early_exit_draft_drafts_trees_on_its_own_cache(pair):
     target, _ = pair
     want, _ = target_generate(target, [PROMPTS[1]], 20)
-    got, stats = speculative_generate(
-        target, EarlyExitDraft(target, 1), [PROMPTS[1]], 20, options=_tree("2,2,1", kv_reuse=False)
-    )
-    assert got == want
-    assert stats.accepted > 0
+    for options in ({}, {"kv_reuse": False}):  # by default a tree is drafted standalone
+        got, stats = speculative_generate(
+            target, EarlyExitDraft(target, 1), [PROMPTS[1]], 20, options=_tree("2,2,1", draft_options=options)
+        )
+        assert got == want
+        assert stats.accepted > 0
 
 
 # Sampling: one prompt, batch 1 per call (trees decode one sequence), three positions checked.

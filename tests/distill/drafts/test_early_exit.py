@@ -36,7 +36,7 @@ def test_greedy_identical_to_target_and_to_the_standalone_path(target, gamma, ad
         ref = target_generate(target, [prompt], 25)[0]
         reused, stats = speculative_generate(target, draft, [prompt], 25, options=DecodeOptions(gamma=gamma))
         standalone, plain_stats = speculative_generate(
-            target, draft, [prompt], 25, options=DecodeOptions(gamma=gamma, kv_reuse=False)
+            target, draft, [prompt], 25, options=DecodeOptions(gamma=gamma, draft_options={"kv_reuse": False})
         )
         assert reused == standalone == ref
         assert (stats.proposed, stats.accepted) == (plain_stats.proposed, plain_stats.accepted)
@@ -71,13 +71,17 @@ def test_eos_and_short_budgets(target):
 
 def test_refuses_what_a_shared_cache_cannot_do(target):
     draft = EarlyExitDraft(target, 2)
-    with pytest.raises(DraftsmithError, match="one sequence at a time; use --batch-size 1 or --no-kv-reuse"):
+    with pytest.raises(
+        DraftsmithError, match="one sequence at a time; use --batch-size 1 or --draft-option kv_reuse=false"
+    ):
         speculative_generate(target, draft, PROMPTS[:2], 5)
     with pytest.raises(DraftsmithError, match="KV reuse uses the slot cache"):
         speculative_generate(target, draft, PROMPTS[:1], 5, options=DecodeOptions(cache_kind="static"))
     with pytest.raises(DraftsmithError, match="needs 1 <= k < 4 target layers, got 4"):
         EarlyExitDraft(target, 4, adapter=False)
-    batched, _ = speculative_generate(target, draft, PROMPTS[:2], 5, options=DecodeOptions(kv_reuse=False))
+    batched, _ = speculative_generate(
+        target, draft, PROMPTS[:2], 5, options=DecodeOptions(draft_options={"kv_reuse": False})
+    )
     assert batched == target_generate(target, PROMPTS[:2], 5)[0]
 
 
