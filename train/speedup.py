@@ -43,6 +43,8 @@ FIGURES = (
     "spec_tokens_per_s",
     "greedy_match",
     "speedup_spread",
+    "paused_share",
+    "acceptance_by_position",
 )
 
 
@@ -61,15 +63,17 @@ def measure_draft(
     settings: what is measured; its options give the sampling (the temperature the result names),
     their gamma is each of ``gammas`` in turn. Every figure comes from runs of this draft with the
     target-only decoder interleaved (``evaluate_pair``): nothing is timed once and reused, so the
-    drafts of a run are compared by ratios each measured in its own minutes.
-    ``measured_cost_ratio``: c as the run at the base gamma measured it."""
+    drafts of a run are compared by ratios each measured in its own minutes. The run at the base
+    gamma drafts in every round (the figures theory predicts from); the run at the best gamma
+    decodes as the options say (with ``pace``, as a user's decoding pauses where drafting does not
+    pay). ``measured_cost_ratio``: c as the run at the base gamma measured it."""
     base = 4 if 4 in gammas else sorted(gammas)[len(gammas) // 2]
 
     def run(**options) -> dict:
         at = dataclasses.replace(settings, options=dataclasses.replace(settings.options, **options))
         return evaluate_pair(target, draft, tokenizer, at)
 
-    first = run(gamma=base)
+    first = run(gamma=base, pace=False)
     # The prediction needs the per-position acceptance, which accepted / proposed understates for
     # gamma > 1 (tokens after a rejection count as proposed); tau at the base gamma gives it.
     alpha = alpha_from_tau(first["mean_accepted_tokens"] or 1.0, base)
@@ -79,7 +83,8 @@ def measure_draft(
         g: predicted_speedup(alpha, g, cost(g), 1 + (v - 1) * g / base, round_forwards(draft, g)) for g in gammas
     }
     best_gamma = max(predicted, key=predicted.get)
-    confirmed = first if best_gamma == base else run(gamma=best_gamma)
+    paced = settings.options.pace and settings.options.tree is None
+    confirmed = first if best_gamma == base and not paced else run(gamma=best_gamma)
     measured_alpha = confirmed["acceptance_rate"]
     result = {
         "temperature": settings.options.sampling.temperature,
@@ -87,11 +92,13 @@ def measure_draft(
         **{k: confirmed[k] for k in FIGURES},  # measured at the best gamma
         "predicted_speedup": None
         if measured_alpha is None
+        # Every sequence drafting every round, at the alpha measured at the best gamma, with c and v as
+        # the base gamma's run gives them there (a paced run's own v mixes in plain steps).
         else predicted_speedup(
             measured_alpha,
             best_gamma,
-            confirmed["cost_ratio_c"],
-            confirmed["verify_ratio_v"],
+            cost(best_gamma),
+            1 + (v - 1) * best_gamma / base,
             round_forwards(draft, best_gamma),
         ),
         "measured_cost_ratio": {k: first[k] for k in ("cost_ratio_c", "cost_ratio_c_spread")},
@@ -101,8 +108,8 @@ def measure_draft(
         "predicted_by_gamma": {str(g): p for g, p in predicted.items()},
     }
     if trees:
-        # A tree is drafted on the draft's own cache (an early-exit draft runs standalone for it).
-        measured = {t.text: run(tree=t, kv_reuse=False) for t in trees}
+        # A tree is drafted on the draft's own cache (a kind whose draft shares the target's drafts it standalone).
+        measured = {t.text: run(tree=t) for t in trees}
         result["trees"] = {shape: {k: r[k] for k in (*FIGURES, "nodes_per_round")} for shape, r in measured.items()}
         result["best_tree"] = choose_tree(result)
     return result
@@ -220,8 +227,7 @@ def _markdown(report: dict) -> str:
                 f"| {name}{mark} | {r['step']} | {temp} | {r['acceptance_rate']:.3f} | "
                 f"{r['mean_accepted_tokens']:.2f} | {r['cost_ratio_c']:.3f} | {r['best_gamma']} | "
                 f"{r['target_tokens_per_s']:.1f} | {r['predicted_speedup']:.2f} | "
-                f"{r['speedup']:.2f}{_range(r)} | {match} |"
-                + (f" {_tree_cell(r)} |" if trees else "")
+                f"{r['speedup']:.2f}{_range(r)} | {match} |" + (f" {_tree_cell(r)} |" if trees else "")
             )
     return "\n".join(lines) + "\n"
 
