@@ -1,4 +1,5 @@
-"""An offline cache of the teacher's top-k log-probabilities, so later epochs skip its forward pass.
+"""The target's features as data: its top-k log-probabilities at the loss rows and, for a kind that reads
+the target's hidden states, those states at every position, so training runs no target forward.
 
 For every training example, at the positions that count in the loss, the cache keeps the target's
 ``k`` most likely token ids (int32) and their log-probabilities (float16): ``6 k`` bytes per token.
@@ -13,6 +14,15 @@ target, its dtype, ``k`` and a hash of the examples taken as a multiset (order-f
 shard stores each example's content digest beside its entries, so any run on the same examples
 (another seed, another held-out split, another learning rate, every later epoch) reads it back
 without running the target (``lookup``), and so does a cache built ahead of training for a dataset.
+
+A *feature store* is such a cache that also holds, per example and per target layer a kind's
+``teacher_layers`` names, the hidden states (L, H) entering that layer at each of the example's L
+positions, in a storage dtype (bfloat16 by default): ``hidden.{layer}`` in each shard, rows of its
+examples one after the other. Its key adds the layers and that dtype; a store holding more layers
+serves a kind that needs fewer (``find_store``). ``Store`` reads the states back by memory-mapped
+slices, a batch at a time. Before a build, ``check_space`` prints the size it will take and the free
+disk, and refuses a build that does not fit. Several processes build one store together (``part``):
+each writes its own shards, the first writes ``meta.json`` once all are done.
 """
 
 from __future__ import annotations
@@ -20,11 +30,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -41,17 +54,98 @@ def example_digest(example: dict) -> bytes:
     return hashlib.sha256(json.dumps([example["input_ids"], example["loss_mask"]]).encode()).digest()[:16]
 
 
-def cache_key(target_name: str, dtype: torch.dtype, examples: list[dict], top_k: int, temperature: float) -> str:
-    """The name of the cache of ``examples``: the same for the same examples in any order."""
-    digest = hashlib.sha256(json.dumps(["by-content", target_name, str(dtype), top_k, temperature]).encode())
+def cache_key(
+    target_name: str,
+    dtype: torch.dtype,
+    examples: list[dict],
+    top_k: int,
+    temperature: float,
+    layers: Sequence[int] = (),
+    hidden_dtype: torch.dtype = torch.bfloat16,
+) -> str:
+    """The name of the cache of ``examples``: the same for the same examples in any order; a store with
+    hidden states is named by its layers and their storage dtype too (a top-k cache keeps its old name)."""
+    key = ["by-content", target_name, str(dtype), top_k, temperature]
+    if layers:
+        key += [sorted(layers), str(hidden_dtype)]
+    digest = hashlib.sha256(json.dumps(key).encode())
     for example_hash in sorted(example_digest(e) for e in examples):
         digest.update(example_hash)
     return digest.hexdigest()[:16]
 
 
-def folder_for(target_name: str, dtype: torch.dtype, examples: list[dict], top_k: int) -> Path:
-    """Where the top-k cache of ``examples`` under ``target_name`` in ``dtype`` lives (DRAFTSMITH_HOME)."""
-    return draftsmith_home() / "teacher-cache" / cache_key(target_name, dtype, examples, top_k, 1.0)
+def folder_for(
+    target_name: str,
+    dtype: torch.dtype,
+    examples: list[dict],
+    top_k: int,
+    layers: Sequence[int] = (),
+    hidden_dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Where the cache of ``examples`` under ``target_name`` in ``dtype`` lives (DRAFTSMITH_HOME)."""
+    name = cache_key(target_name, dtype, examples, top_k, 1.0, layers, hidden_dtype)
+    return draftsmith_home() / "teacher-cache" / name
+
+
+def find_store(
+    folder: Path, target: str, dtype: torch.dtype, examples: list[dict], top_k: int, layers: Sequence[int], hidden_dtype
+) -> Path:
+    """``folder``, or a complete store beside it over the same examples, target, dtype and top-k whose
+    layers include ``layers`` (in the same storage dtype): a store with more layers serves fewer."""
+    if (folder / "meta.json").is_file():
+        return folder
+    wanted = {"target_key": target, "dtype": dtype_name(dtype), "top_k": top_k}
+    wanted["content"] = content_digest(unique_examples(examples)[0])
+    for meta_path in sorted(folder.parent.glob("*/meta.json")):
+        meta = json.loads(meta_path.read_text())
+        if any(meta.get(key) != value for key, value in wanted.items()):
+            continue
+        if not layers or (
+            set(layers) <= set(meta.get("layers", [])) and meta["hidden_dtype"] == dtype_name(hidden_dtype)
+        ):
+            return meta_path.parent
+    return folder
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def disk_free(folder: Path) -> int:
+    """Free bytes on the disk that holds ``folder`` (or its nearest existing parent)."""
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def store_bytes(examples: list[dict], top_k: int, layers: Sequence[int], hidden_size: int, hidden_dtype) -> int:
+    """The bytes a store of ``examples`` takes: 6 k per loss token (int32 ids, float16 log-probs) and,
+    per stored layer, H values of ``hidden_dtype`` per position."""
+    loss_tokens = sum(sum(e["loss_mask"]) for e in examples)
+    positions = sum(len(e["input_ids"]) for e in examples)
+    item = torch.empty((), dtype=hidden_dtype).element_size()
+    return 6 * top_k * loss_tokens + positions * len(layers) * hidden_size * item
+
+
+def check_space(folder: Path, needed: int, free_bytes: Callable[[Path], int] = disk_free, say: bool = True) -> None:
+    """Print the size a build will take and the free disk; refuse, in one line, a build that does not fit."""
+    free = free_bytes(folder)
+    if say:
+        print(f"teacher store: {size_text(needed)} to write into {folder}; {size_text(free)} free", file=sys.stderr)
+    if needed > free:
+        raise DraftsmithError(
+            f"the teacher store needs {size_text(needed)} but {folder} has {size_text(free)} free; free disk space, "
+            "point DRAFTSMITH_HOME at a larger disk, or store less (teacher_cache_dtype, teacher_top_k, fewer examples)"
+        )
+
+
+def size_text(size: float) -> str:
+    """Bytes as people read them: 7.9 kB, 1.23 GB, 4.1 TB."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000:
+            return f"{size:.3g} {unit}"
+        size /= 1000
+    return f"{size:.3g} TB"
 
 
 @torch.no_grad()
@@ -64,34 +158,73 @@ def build(
     shard_size: int = 256,
     pad_id: int = 0,
     progress: bool = True,
+    layers: Sequence[int] = (),
+    hidden_dtype: torch.dtype = torch.bfloat16,
+    part: tuple[int, int] = (0, 1),
+    barrier: Callable[[], None] = lambda: None,
+    free_bytes: Callable[[Path], int] = disk_free,
+    target_key: str = "",
 ) -> Path:
-    """Run the target once over ``examples`` and write the top-k cache into ``folder``."""
+    """Run the target once over ``examples`` and write the top-k cache (and the hidden states entering
+    ``layers``, in ``hidden_dtype``) into ``folder``.
+
+    part: (this process, processes): each writes the shards ``shard % processes == this process`` (a
+    shard already written is kept: an interrupted build resumes); ``barrier`` waits for all of them,
+    then the first writes ``meta.json``. The size is checked against ``free_bytes`` first."""
     if (folder / "meta.json").is_file():
         return folder
     digests, examples = unique_examples(examples)  # a repeated example is run once
-    made_by = {"target": target.name_or_path, "dtype": str(target.dtype).removeprefix("torch."), "top_k": top_k}
-    made_by["content"] = content_digest(digests)
+    made_by = {"target": target.name_or_path, "dtype": dtype_name(target.dtype), "top_k": top_k}
+    made_by |= {"content": content_digest(digests), "target_key": target_key}
+    if layers:
+        made_by |= {"layers": sorted(layers), "hidden_dtype": dtype_name(hidden_dtype)}
+        made_by["hidden_size"] = target.config.hidden_size
+    rank, processes = part
     if progress:
         say_why_not_reused(folder, made_by)
+    check_space(
+        folder, store_bytes(examples, top_k, layers, target.config.hidden_size, hidden_dtype), free_bytes, rank == 0
+    )
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = (len(examples) + shard_size - 1) // shard_size
-    tokens = 0
-    for shard in tqdm(range(n_shards), desc="teacher cache", disable=not progress, unit="shard"):
+    mine = [shard for shard in range(n_shards) if shard % processes == rank]
+    for shard in tqdm(mine, desc="teacher cache", disable=not progress, unit="shard"):
+        if (folder / shard_name(shard)).is_file():
+            continue
         chunk = examples[shard * shard_size : (shard + 1) * shard_size]
-        # the shard in batches of similar lengths (the target runs no padding to speak of), one window;
-        # entries go back in the examples' order
-        lengths = [len(e["input_ids"]) for e in chunk]
-        ids, logps = [torch.empty(0)] * len(chunk), [torch.empty(0)] * len(chunk)
-        for rows in length_buckets(list(range(len(chunk))), lengths, batch_size, window=len(chunk)):
-            batch = collate([chunk[i] for i in rows], pad_id)
-            batch = {k: v.to(target.device) for k, v in batch.items()}
-            top_ids, top_logps = rows_top_k(target, batch, top_k)  # (M, k): the loss rows, row after row
-            counts = batch["loss_mask"].sum(1).tolist()
-            for i, row_ids, row_logps in zip(rows, top_ids.split(counts), top_logps.split(counts), strict=True):
-                ids[i], logps[i] = row_ids, row_logps
-        tokens += write_shard(folder, shard, digests[shard * shard_size : (shard + 1) * shard_size], ids, logps)
-    write_meta(folder, len(examples), tokens, top_k, n_shards, made_by)
+        ids, logps, hidden = chunk_features(target, chunk, top_k, layers, batch_size, pad_id)
+        write_shard(
+            folder, shard, digests[shard * shard_size : (shard + 1) * shard_size], ids, logps, hidden, hidden_dtype
+        )
+    barrier()
+    if rank == 0:
+        tokens = sum(sum(e["loss_mask"]) for e in examples)
+        write_meta(folder, len(examples), tokens, top_k, n_shards, made_by)
+    barrier()
     return folder
+
+
+def chunk_features(
+    target: PreTrainedModel, chunk: list[dict], top_k: int, layers: Sequence[int], batch_size: int, pad_id: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[int, list[torch.Tensor]]]:
+    """Per example of ``chunk``: top-k (ids (N, k), log-probs (N, k)) at its N loss positions and, per
+    layer, its hidden states (L, H) at its L positions. Batches of similar lengths (the target runs no
+    padding to speak of), one window; entries come back in the chunk's order."""
+    lengths = [len(e["input_ids"]) for e in chunk]
+    ids, logps = [torch.empty(0)] * len(chunk), [torch.empty(0)] * len(chunk)
+    hidden = {layer: [torch.empty(0)] * len(chunk) for layer in layers}
+    for rows in length_buckets(list(range(len(chunk))), lengths, batch_size, window=len(chunk)):
+        batch = collate([chunk[i] for i in rows], pad_id)
+        batch = {k: v.to(target.device) for k, v in batch.items()}
+        out = vocab_cut.target_rows(target, batch, vocab_cut.loss_rows(batch["loss_mask"]), layers)
+        top_ids, top_logps = head_top_k(target, out.hidden, top_k)  # (M, k): the loss rows, row after row
+        counts = batch["loss_mask"].sum(1).tolist()
+        for i, row_ids, row_logps in zip(rows, top_ids.split(counts), top_logps.split(counts), strict=True):
+            ids[i], logps[i] = row_ids, row_logps
+        for layer in layers:
+            for row, i in enumerate(rows):
+                hidden[layer][i] = out.layers[layer][row, : lengths[i]].cpu()  # (L, H)
+    return ids, logps, hidden
 
 
 def content_digest(digests: list[bytes]) -> str:
@@ -120,6 +253,12 @@ def rows_top_k(target: PreTrainedModel, batch: dict, top_k: int) -> tuple[torch.
     """The target's top-k (token ids, log-probs), each (M, k), at a batch's M loss rows: its head and
     log-softmax at those rows only, a chunk of rows at a time (prompt and padding positions cost no head)."""
     hidden = vocab_cut.target_rows(target, batch, vocab_cut.loss_rows(batch["loss_mask"])).hidden  # (M, H)
+    return head_top_k(target, hidden, top_k)
+
+
+def head_top_k(target: PreTrainedModel, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target head's top-k (token ids, log-probs), each (M, k), over the full vocabulary at
+    temperature 1, of decoder outputs ``hidden`` (M, H), a chunk of rows at a time."""
     chunk = max(1, vocab_cut.CHUNK_ELEMENTS // target.config.vocab_size)
     ids, logps = [torch.zeros(0, top_k, dtype=torch.long)], [torch.zeros(0, top_k)]
     for start in range(0, len(hidden), chunk):
@@ -158,11 +297,22 @@ def unique_examples(examples: list[dict]) -> tuple[list[bytes], list[dict]]:
     return list(unique), list(unique.values())
 
 
+def shard_name(shard: int | str) -> str:
+    return f"shard-{shard:05d}.safetensors" if isinstance(shard, int) else f"shard-{shard}.safetensors"
+
+
 def write_shard(
-    folder: Path, shard: int, digests: list[bytes], ids: list[torch.Tensor], logps: list[torch.Tensor]
+    folder: Path,
+    shard: int | str,
+    digests: list[bytes],
+    ids: list[torch.Tensor],
+    logps: list[torch.Tensor],
+    hidden: dict[int, list[torch.Tensor]] | None = None,
+    hidden_dtype: torch.dtype = torch.bfloat16,
 ) -> int:
     """One shard file, atomically: per example its digest and its (N, k) token ids (int32) and
-    log-probs (float16); returns the tokens (loss positions) written."""
+    log-probs (float16), and per layer of ``hidden`` its (L, H) states in ``hidden_dtype`` (rows of the
+    examples one after the other, ``lengths`` L each); returns the tokens (loss positions) written."""
     counts = [len(i) for i in ids]
     tensors = {
         "indices": torch.cat(ids).to(torch.int32),
@@ -170,7 +320,10 @@ def write_shard(
         "counts": torch.tensor(counts),
         "digests": torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).view(-1, 16),
     }
-    with atomic_path(folder / f"shard-{shard:05d}.safetensors") as tmp:
+    for layer, states in (hidden or {}).items():
+        tensors[f"hidden.{layer}"] = torch.cat(states).to(hidden_dtype).contiguous()  # (sum L, H)
+        tensors["lengths"] = torch.tensor([len(x) for x in states])
+    with atomic_path(folder / shard_name(shard)) as tmp:
         save_file(tensors, tmp)
     return sum(counts)
 
@@ -180,6 +333,8 @@ def write_meta(folder: Path, examples: int, tokens: int, top_k: int, shards: int
     content digest it was computed with (how a cache made another way is named when not reused)."""
     meta = {"examples": examples, "tokens": tokens, "top_k": top_k, "shards": shards, "bytes_per_token": 6 * top_k}
     meta |= made_by or {}
+    meta["files"] = sorted(p.name for p in folder.glob("shard-*.safetensors"))
+    meta["shards"] = len(meta["files"])
     write_text(folder / "meta.json", json.dumps(meta, indent=2))
 
 
@@ -190,10 +345,10 @@ def load(folder: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def read_entries(folder: Path) -> list[tuple[bytes, tuple[torch.Tensor, torch.Tensor]]]:
     """(content digest, (indices, log-probs)) of every example of the cache, in stored order."""
-    meta = json.loads((folder / "meta.json").read_text())
     entries = []
-    for shard in range(meta["shards"]):
-        data = load_file(folder / f"shard-{shard:05d}.safetensors")
+    for name in shard_files(folder):
+        with safe_open(folder / name, framework="pt") as f:  # the top-k only: hidden states stay on disk
+            data = {key: f.get_tensor(key) for key in ("indices", "logprobs", "counts", "digests")}
         ids, logps = data["indices"].long(), data["logprobs"].float()
         digests = [bytes(row) for row in data["digests"].tolist()]
         offset = 0
@@ -203,9 +358,73 @@ def read_entries(folder: Path) -> list[tuple[bytes, tuple[torch.Tensor, torch.Te
     return entries
 
 
+def shard_files(folder: Path) -> list[str]:
+    """The shard files of a complete cache, in stored order (a cache of before ``files`` numbers them)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    return meta.get("files") or [shard_name(shard) for shard in range(meta["shards"])]
+
+
+def stored_digests(folder: Path) -> list[bytes]:
+    """The content digests of every example in the shard files of ``folder`` (complete or not)."""
+    digests = []
+    for path in sorted(folder.glob("shard-*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            digests += [bytes(row) for row in f.get_tensor("digests").tolist()]
+    return digests
+
+
+class Store:
+    """A complete store read back: the top-k entries in memory, the hidden states by memory-mapped
+    slices of its shards at each batch."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.meta = json.loads((folder / "meta.json").read_text())
+        self.layers: tuple[int, ...] = tuple(self.meta.get("layers", ()))
+        self.entries = dict(read_entries(folder))
+        self.where: dict[bytes, tuple[str, int, int]] = {}  # digest -> (shard file, first row, length)
+        for name in shard_files(folder) if self.layers else []:
+            with safe_open(folder / name, framework="pt") as f:
+                digests, lengths = f.get_tensor("digests"), f.get_tensor("lengths").tolist()
+            starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+            for row, length in enumerate(lengths):
+                self.where[bytes(digests[row].tolist())] = (name, starts[row], length)
+        self.files: dict[str, object] = {}
+
+    def lookup(self, examples: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The top-k entries of ``examples``, in their order; a missing one is an error."""
+        return found_entries(self.folder, self.entries, examples)
+
+    def check_layers(self, layers: Sequence[int]) -> None:
+        missing = sorted(set(layers) - set(self.layers))
+        if missing:
+            raise DraftsmithError(
+                f"the teacher store {self.folder} holds layers {list(self.layers)}, not {missing}; delete it to rebuild"
+            )
+
+    def hidden(
+        self, digests: list[bytes], layers: Sequence[int], width: int, dtype: torch.dtype, device: torch.device
+    ) -> dict[int, torch.Tensor]:
+        """{layer: (B, T, H)} the stored states of a right-padded batch whose rows are ``digests``
+        (zeros at the padding, which no loss row attends to), in ``dtype`` on ``device``."""
+        size = self.meta["hidden_size"]
+        out = {layer: torch.zeros(len(digests), width, size, dtype=dtype) for layer in layers}
+        for row, digest in enumerate(digests):
+            name, start, length = self.where[digest]
+            if name not in self.files:
+                self.files[name] = safe_open(self.folder / name, framework="pt")
+            for layer in layers:
+                out[layer][row, :length] = self.files[name].get_slice(f"hidden.{layer}")[start : start + length]
+        return {layer: states.to(device) for layer, states in out.items()}
+
+
 def lookup(folder: Path, examples: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The cache entries of ``examples``, in their order, found by content; a missing one is an error."""
-    by_digest = dict(read_entries(folder))
+    return found_entries(folder, dict(read_entries(folder)), examples)
+
+
+def found_entries(folder: Path, by_digest: dict, examples: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The entries of ``examples`` in ``by_digest``, in their order; a missing one is an error."""
     found = [by_digest.get(example_digest(e)) for e in examples]
     if any(entry is None for entry in found):
         raise DraftsmithError(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +25,6 @@ class TeacherRows:
 
     log_probs: torch.Tensor  # (M, V), or (M, N) on a cut head's tokens: log p at the loss temperature
     hidden: dict[int, torch.Tensor] | None = None  # the target's hidden states (B, T, H) of layers asked for
-
-
-Teacher = Callable[[dict, torch.Tensor], TeacherRows]  # (batch, loss rows (M,)) -> the teacher there
 
 
 def build_examples(
@@ -186,6 +182,166 @@ def loaders(cfg: DistillConfig, train_examples: list[dict], heldout: list[dict],
     return train_loader, held_loader
 
 
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class TeacherSettings:
+    """What the teacher gives at the loss rows: over ``head_ids`` (N,) or the full vocabulary (None), at
+    ``temperature``, normalized over the full vocabulary or not (forward KL with a cut head renormalizes
+    over the kept tokens); ``layers``: the target layers whose entering hidden states (B, T, H) the
+    draft's kind reads; ``device``: where the trainer wants them."""
+
+    head_ids: torch.Tensor | None
+    temperature: float
+    full_normalizer: bool
+    layers: tuple[int, ...]
+    device: torch.device
+
+
+class Teacher:
+    """The teacher at a batch's loss rows: ``teacher(batch, rows (M,)) -> TeacherRows``. ``forwards``:
+    the target forward passes it made for training batches; ``source``: live, store or filled (the
+    store filled by the first epoch's live forwards); ``store``: the store's folder, if any."""
+
+    source = "live"
+    store: Path | None = None
+
+    def __init__(self, target: PreTrainedModel, settings: TeacherSettings):
+        self.target, self.settings, self.forwards = target, settings, 0
+
+    def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
+        return self.live(batch, rows)[0]
+
+    def live(self, batch: dict, rows: torch.Tensor) -> tuple[TeacherRows, vocab_cut.TargetRows]:
+        """The target's forward over ``batch``: (the teacher at ``rows``, the decoder's output there)."""
+        self.forwards += 1
+        s = self.settings
+        out = vocab_cut.target_rows(self.target, batch, rows, s.layers)  # hidden (M, H)
+        log_probs = vocab_cut.head_log_probs(self.target, out.hidden, s.head_ids, s.temperature, s.full_normalizer)
+        # .to(): a target spread with teacher_device_map computes on its last device
+        return TeacherRows(log_probs.to(s.device), out.layers), out
+
+    def epoch_end(self, accelerator: Accelerator) -> None:
+        """Called before each epoch after the first (a filling teacher turns to its store)."""
+
+
+class StoreTeacher(Teacher):
+    """The teacher read from a feature store: top-k entries and hidden states of the training examples
+    (``example["index"]`` is a batch row's place among them); the target is not run."""
+
+    source = "store"
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        settings: TeacherSettings,
+        examples: list[dict],
+        entries: dataset_cache.Entries,
+        reader: teacher_cache.Store | None = None,
+    ):
+        super().__init__(target, settings)
+        if settings.layers:  # a store read without hidden states has no reader
+            reader.check_layers(settings.layers)
+        self.reader, self.store, self.entries = reader, None if reader is None else reader.folder, entries
+        self.digests = [teacher_cache.example_digest(e) for e in examples]
+        for i, example in enumerate(examples):
+            example["index"] = i  # the batch's rows are these entries
+
+    def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
+        s, index = self.settings, batch["index"].tolist()
+        vocab = self.target.config.vocab_size
+        log_probs = teacher_cache.rows_teacher_log_probs(
+            [self.entries[i] for i in index], rows.device, vocab, s.head_ids, s.temperature
+        )
+        if not s.layers:
+            return TeacherRows(log_probs)
+        width = batch["input_ids"].shape[1]
+        hidden = self.reader.hidden([self.digests[i] for i in index], s.layers, width, self.target.dtype, rows.device)
+        return TeacherRows(log_probs, hidden)
+
+
+class FillingTeacher(Teacher):
+    """The live teacher for the first epoch, which writes what it computed into the store (each process
+    its own shard); from the second epoch the store is read (``epoch_end``)."""
+
+    source = "filled"
+
+    def __init__(
+        self, target, settings: TeacherSettings, folder: Path, examples: list[dict], cfg: DistillConfig, pad: int
+    ):
+        super().__init__(target, settings)
+        self.store, self.examples, self.cfg, self.pad = folder, examples, cfg, pad
+        self.seen: dict[bytes, tuple] = {}  # digest -> (ids (N, k), log-probs (N, k), {layer: (L, H)})
+        self.reading: StoreTeacher | None = None
+        for i, example in enumerate(examples):
+            example["index"] = i
+
+    def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
+        if self.reading is not None:
+            return self.reading(batch, rows)
+        teacher, out = self.live(batch, rows)
+        ids, logps = teacher_cache.head_top_k(self.target, out.hidden, self.cfg.teacher_top_k)  # (M, k)
+        counts = batch["loss_mask"].sum(1).tolist()
+        lengths = batch["attention_mask"].sum(1).tolist()
+        for row, i in enumerate(batch["index"].tolist()):
+            hidden = {layer: out.layers[layer][row, : lengths[row]].cpu() for layer in self.settings.layers}
+            start = sum(counts[:row])
+            entry = (ids[start : start + counts[row]], logps[start : start + counts[row]], hidden)
+            self.seen[teacher_cache.example_digest(self.examples[i])] = entry
+        return teacher
+
+    def epoch_end(self, accelerator: Accelerator) -> None:
+        """Write this process's shard of what the first epoch saw, complete the store (examples no process
+        saw, e.g. after a resume within the first epoch, are computed now) and read it from here on."""
+        if self.reading is not None:
+            return
+        rank, processes = accelerator.process_index, accelerator.num_processes
+        dtype, layers = STORAGE_DTYPES[self.cfg.teacher_cache_dtype], self.settings.layers
+        self.store.mkdir(parents=True, exist_ok=True)
+        if self.seen:
+            digests = list(self.seen)
+            ids, logps = [self.seen[d][0] for d in digests], [self.seen[d][1] for d in digests]
+            hidden = {layer: [self.seen[d][2][layer] for d in digests] for layer in layers}
+            teacher_cache.write_shard(self.store, f"r{rank:03d}", digests, ids, logps, hidden, dtype)
+        accelerator.wait_for_everyone()
+        written = set(teacher_cache.stored_digests(self.store))
+        missing = [
+            e for e in teacher_cache.unique_examples(self.examples)[1] if teacher_cache.example_digest(e) not in written
+        ]
+        mine = missing[rank::processes]
+        if mine:
+            ids, logps, hidden = teacher_cache.chunk_features(
+                self.target, mine, self.cfg.teacher_top_k, layers, self.cfg.batch_size, self.pad
+            )
+            digests = [teacher_cache.example_digest(e) for e in mine]
+            teacher_cache.write_shard(self.store, f"r{rank:03d}-rest", digests, ids, logps, hidden, dtype)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            made_by = store_made_by(self.cfg, self.target, self.examples, layers)
+            tokens = sum(sum(e["loss_mask"]) for e in self.examples)
+            examples = len(written) + len(missing)
+            teacher_cache.write_meta(self.store, examples, tokens, self.cfg.teacher_top_k, 0, made_by)
+        accelerator.wait_for_everyone()
+        self.seen = {}
+        self.reading = from_store(self.target, self.settings, self.store, self.examples)
+
+
+def store_made_by(cfg: DistillConfig, target: PreTrainedModel, examples: list[dict], layers: tuple[int, ...]) -> dict:
+    """The fields of a store's meta.json that say how it was made (``teacher_cache.build`` writes the same)."""
+    made_by = {
+        "target": target.name_or_path,
+        "target_key": target_name(cfg),
+        "dtype": teacher_cache.dtype_name(target.dtype),
+        "top_k": cfg.teacher_top_k,
+        "content": teacher_cache.content_digest(teacher_cache.unique_examples(examples)[0]),
+    }
+    if layers:
+        made_by |= {"layers": sorted(layers), "hidden_dtype": cfg.teacher_cache_dtype}
+        made_by["hidden_size"] = target.config.hidden_size
+    return made_by
+
+
 def teacher(
     cfg: DistillConfig,
     target,
@@ -195,53 +351,52 @@ def teacher(
     head_ids: torch.Tensor | None = None,
     layers: tuple[int, ...] = (),
 ) -> Teacher:
-    """The function that gives the teacher at a batch's loss rows: the target's forward, or the top-k cache.
+    """The teacher at a batch's loss rows: the target's forward, or the feature store.
 
-    examples: (train, held-out). The cache covers both (the dataset's content), so a run with
-    another seed or held-out split of the same data reads the same cache. The function gives the
+    examples: (train, held-out). The store covers both (the dataset's content), so a run with
+    another seed or held-out split of the same data reads the same store; one filled by the first
+    epoch (``teacher_cache_fill: first_epoch``) covers the training examples. The teacher gives the
     target's log-probs at the loss temperature at the rows, over its full vocabulary (M, V) or, with
     ``head_ids`` (N,) (the draft's head cut), on those tokens (M, N), normalized over the full
     vocabulary; for forward KL with a cut head the live target's are the kept logits at temperature
     (forward KL renormalizes over the kept tokens, so their full normalizer is never computed).
     layers: target layers whose entering hidden states (B, T, H) the draft's kind reads, from the same
-    forward (with the cache, the target's decoder still runs for them, its head does not)."""
+    forward or from the store. Under N processes each builds its share of the store's shards."""
     train_examples, heldout = examples
-    vocab, temperature = target.config.vocab_size, cfg.loss_temperature
+    settings = TeacherSettings(head_ids, cfg.loss_temperature, cfg.loss != "forward_kl", layers, accelerator.device)
     if not cfg.teacher_cache:
-        full_normalizer = cfg.loss != "forward_kl"
+        return Teacher(target, settings)
+    entries = None if layers else dataset_teacher_entries(cfg, target, train_examples, accelerator)
+    if entries is not None:
+        return StoreTeacher(target, settings, train_examples, entries)
+    dtype = STORAGE_DTYPES[cfg.teacher_cache_dtype]
+    covered = train_examples if cfg.teacher_cache_fill == "first_epoch" else train_examples + heldout
+    name = target_name(cfg)
+    folder = teacher_cache.folder_for(name, target.dtype, covered, cfg.teacher_top_k, layers, dtype)
+    folder = teacher_cache.find_store(folder, name, target.dtype, covered, cfg.teacher_top_k, layers, dtype)
+    if cfg.teacher_cache_fill == "first_epoch" and not (folder / "meta.json").is_file():
+        return FillingTeacher(target, settings, folder, train_examples, cfg, pad)
+    teacher_cache.build(
+        target,
+        covered,
+        folder,
+        cfg.teacher_top_k,
+        cfg.batch_size,
+        pad_id=pad,
+        progress=accelerator.is_main_process,
+        layers=layers,
+        hidden_dtype=dtype,
+        part=(accelerator.process_index, accelerator.num_processes),
+        barrier=accelerator.wait_for_everyone,
+        target_key=name,
+    )
+    return from_store(target, settings, folder, train_examples)
 
-        def live(batch: dict, rows: torch.Tensor) -> TeacherRows:
-            out = vocab_cut.target_rows(target, batch, rows, layers)  # hidden (M, H)
-            log_probs = vocab_cut.head_log_probs(target, out.hidden, head_ids, temperature, full_normalizer)
-            # .to(): a target spread with teacher_device_map computes on its last device
-            return TeacherRows(log_probs.to(accelerator.device), out.layers)
 
-        return live
-    entries = dataset_teacher_entries(cfg, target, train_examples, accelerator)
-    if entries is None:
-        folder = teacher_cache.folder_for(target_name(cfg), target.dtype, train_examples + heldout, cfg.teacher_top_k)
-        with accelerator.main_process_first():
-            teacher_cache.build(
-                target,
-                train_examples + heldout,
-                folder,
-                cfg.teacher_top_k,
-                cfg.batch_size,
-                pad_id=pad,
-                progress=accelerator.is_main_process,
-            )
-        entries = teacher_cache.lookup(folder, train_examples)
-    for i, example in enumerate(train_examples):
-        example["index"] = i  # the batch's rows are these entries
-
-    def cached(batch: dict, rows: torch.Tensor) -> TeacherRows:
-        batch_entries = [entries[i] for i in batch["index"].tolist()]
-        hidden = vocab_cut.target_rows(target, batch, rows, layers).layers if layers else None
-        return TeacherRows(
-            teacher_cache.rows_teacher_log_probs(batch_entries, rows.device, vocab, head_ids, temperature), hidden
-        )
-
-    return cached
+def from_store(target, settings: TeacherSettings, folder: Path, examples: list[dict]) -> StoreTeacher:
+    """The teacher read from the complete store in ``folder``."""
+    reader = teacher_cache.Store(folder)
+    return StoreTeacher(target, settings, examples, reader.lookup(examples), reader)
 
 
 def dataset_teacher_entries(

@@ -90,6 +90,8 @@ class Run:
     heldout_memo: dict = dataclasses.field(default_factory=dict)  # the frozen target at the held-out rows
     started: float = 0.0  # when this process began training, and at which step
     start_step: int = 0
+    trained_tokens: int = 0  # loss tokens of the optimizer steps this process made (all processes)
+    train_seconds: float = 0.0  # time in those steps (not evaluations nor checkpoints)
 
 
 @dataclass
@@ -121,11 +123,16 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
         epoch, done_in_epoch = divmod(run.step, steps_per_epoch)
         # The same data order as an uninterrupted run: reseed the sampler per epoch, skip what was done.
         run.loader.set_epoch(epoch)
+        if epoch > 0:  # a store filled by the first epoch is complete: read it from here on
+            run.teacher.epoch_end(run.accelerator)
         skipped = done_in_epoch * cfg.grad_accum
         batches = iter(run.accelerator.skip_first_batches(run.loader, skipped) if skipped else run.loader)
         for _ in range(done_in_epoch, steps_per_epoch):
             micro = [next(batches) for _ in range(cfg.grad_accum)]
+            began = time.perf_counter()
             loss, tokens = train_step(run, micro)
+            run.train_seconds += time.perf_counter() - began
+            run.trained_tokens += tokens
             on_step_end(run, loss, tokens)
             if run.step >= cfg.max_steps or run.step == stop_at_step:
                 break
@@ -133,6 +140,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
     run.bar.close()
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
+    write_train_summary(run)
     summarize(run)
     draft = run.accelerator.unwrap_model(run.draft)
     return Result(run.run_dir, run.step, run.last_metrics, draft, run.target, run.tokenizer)
@@ -429,6 +437,28 @@ def progress_line(run: Run) -> str:
         f"step {run.step}/{run.cfg.max_steps}: loss {m['loss']:.4f}, alpha {m['acceptance_rate']:.3f}, "
         f"{m['tokens_per_s']:.0f} tokens/s, lr {m['lr']:.2e}, grad norm {m['grad_norm']:.3f}, ETA {eta}"
     )
+
+
+def write_train_summary(run: Run) -> None:
+    """``train_summary.json`` beside the checkpoints (atomically): the target forward passes this
+    process's training steps made, summed over processes (0 when the teacher is read from a store;
+    held-out evaluations are not counted), the steps, and the loss tokens trained per second of step time."""
+    device = run.accelerator.device
+    forwards = int(run.accelerator.reduce(torch.tensor(run.teacher.forwards, device=device), "sum"))
+    if not run.accelerator.is_main_process:
+        return
+    summary = {
+        "teacher_forwards": forwards,
+        "steps": run.step - run.start_step,
+        "step": run.step,
+        "tokens": run.trained_tokens,
+        "tokens_per_s": run.trained_tokens / run.train_seconds if run.train_seconds else 0.0,
+        "steps_per_s": (run.step - run.start_step) / run.train_seconds if run.train_seconds else 0.0,
+        "teacher": run.teacher.source,
+        "store": None if run.teacher.store is None else str(run.teacher.store),
+        "processes": run.accelerator.num_processes,
+    }
+    write_text(run.run_dir / "train_summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 def summarize(run: Run) -> None:

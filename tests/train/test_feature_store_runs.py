@@ -1,0 +1,65 @@
+"""Training from the feature store: an EAGLE-3 head reads the target's hidden states from disk, its
+training steps run no target forward, and its losses are the live run's."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from draftsmith.train.config import DistillConfig, config_path, load_config
+from draftsmith.train.loop import train
+
+EAGLE = {"draft_kind": "eagle3", "train_draft_vocab": 30, "save_steps": 3, "log_steps": 3}
+
+
+def tiny_cfg(folder: Path, **overrides) -> DistillConfig:
+    items = [f"output_dir={folder}"] + [f"{k}={v}" for k, v in overrides.items()]
+    return load_config(DistillConfig, config_path("tiny"), items)
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "losses.jsonl").read_text().splitlines()]
+
+
+def summary(run: Path) -> dict:
+    return json.loads((run / "train_summary.json").read_text())
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A DRAFTSMITH_HOME of the test's own: no store another test built for this data."""
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_eagle3_from_the_store_runs_no_target_forward_and_learns_what_the_live_run_learns(tmp_path, home):
+    live = train(tiny_cfg(tmp_path / "live", max_steps=3, **EAGLE)).run_dir
+    assert summary(live)["teacher_forwards"] == 3 and summary(live)["teacher"] == "live"
+    assert summary(live)["steps"] == 3 and summary(live)["tokens_per_s"] > 0
+    # the whole top-k of the tiny target's 103 tokens and float32 states: the same teacher as the live one
+    exact = {"teacher_cache": "true", "teacher_top_k": 103, "teacher_cache_dtype": "float32", "max_steps": 3}
+    stored = train(tiny_cfg(tmp_path / "stored", **exact, **EAGLE)).run_dir
+    assert summary(stored)["teacher_forwards"] == 0 and summary(stored)["teacher"] == "store"
+    assert losses(stored) == pytest.approx(losses(live), rel=1e-3)
+    store = Path(summary(stored)["store"])
+    meta = json.loads((store / "meta.json").read_text())
+    assert meta["layers"] == [1, 2, 3, 4] and meta["examples"] == 56  # aux layers and the argmax mask's final layer
+
+
+def test_a_second_run_on_the_same_data_reads_the_bf16_store_and_the_hybrid_fills_it_in_the_first_epoch(tmp_path, home):
+    # 48 training examples in batches of 8: an epoch is 6 steps
+    cached = {"teacher_cache": "true", "teacher_top_k": 16, "max_steps": 2, **EAGLE}
+    first = train(tiny_cfg(tmp_path / "first", **cached)).run_dir
+    second = train(tiny_cfg(tmp_path / "second", lr=0.001, **cached)).run_dir
+    assert summary(first)["teacher_forwards"] == summary(second)["teacher_forwards"] == 0
+    assert summary(first)["store"] == summary(second)["store"]
+    assert json.loads((Path(summary(first)["store"]) / "meta.json").read_text())["hidden_dtype"] == "bfloat16"
+    assert losses(second)[0] == pytest.approx(losses(first)[0], rel=1e-6)  # the same teacher for the same batch
+
+    hybrid = {**cached, "teacher_cache_fill": "first_epoch", "max_steps": 8, "save_steps": 8, "log_steps": 4}
+    filled = train(tiny_cfg(tmp_path / "filled", **hybrid)).run_dir
+    assert summary(filled)["teacher_forwards"] == 6 and summary(filled)["teacher"] == "filled"  # the first epoch only
+    meta = json.loads((Path(summary(filled)["store"]) / "meta.json").read_text())
+    assert meta["examples"] == 48 and len(meta["files"]) == 1  # the training examples, one process's shard
+    again = train(tiny_cfg(tmp_path / "again", **hybrid)).run_dir
+    assert summary(again)["teacher_forwards"] == 0 and summary(again)["teacher"] == "store"
