@@ -34,14 +34,28 @@ accepted. PARD's conditional drop (COD) keeps, per sequence, ``max(cod_ratio^b, 
 its loss rows as chain step b, chosen at random among the chains kept at step b-1 (a mask needs its
 chain's earlier masks): with K = 6 and 0.7 / 0.2 that is about 2.97 inputs per loss row instead of 6.
 
-The loss weights make the objective the expected accepted length of a round: step b of a chain only
-pays if steps 0..b-1 were accepted, so its loss is weighted by the product of the current
-acceptance ``sum_x min(p, q)`` of the chain's earlier steps (detached; step 0 is the ordinary
-prediction at the anchor), over the chance COD kept it (so that the sample is an unbiased estimate
-of the loss over every chain). The teacher's p there is renormalized over the head's columns: with
-a cut head that estimate is slightly optimistic, which only scales the weights. Held-out alpha
-reads the ordinary predictions (in eval mode no chains are built); ``position_acceptance`` measures
-every chain step.
+How the mask rows are weighted (``chain_weights``):
+
+- ``equal`` (PARD, An et al. 2025, and its training code): every kept mask row counts as much as an
+  ordinary prediction; conditional drop alone thins the deep steps.
+- ``target`` (PARD-2's token weights, with a floor added): step b of the chain at t weighs
+  ``prod_{s<b} p(x_{t+s+1})``, the target's probability of the true tokens the chain's earlier steps
+  stand for (how often decoding reaches that step with a draft that guesses what the target says),
+  but at least ``weight_floor``. It does not depend on the draft, so a step the draft cannot guess
+  yet still learns.
+- ``draft``: the product of the draft's *current* acceptance ``sum_x min(p, q)`` at the earlier steps
+  (detached) over the chance COD kept the row (the expected accepted length of a round), at least
+  ``weight_floor``. Without a floor it locks itself in: untrained masks accept little, so the steps
+  after them get almost no weight and stay untrained.
+
+The teacher's p there is renormalized over the head's columns (with a cut head, a true token outside
+it has p 0 and its chain the floor). Held-out alpha reads the ordinary predictions (in eval mode no
+chains are built); ``position_acceptance`` measures every chain step.
+
+The mask token's input embedding learns even when ``freeze_embeddings`` keeps the others (and a tied
+head) fixed: the draft holds it as a separate row (``ParallelDraft.mask_row``) that replaces the
+embedding at mask positions, and writes it into the embedding matrix when saved, so that a saved
+folder is a plain model.
 
 **Serving**: a plain model folder whose ``config.json`` also has ``pard_token`` and
 ``mask_token_id`` (vLLM reads either), served by vLLM as ``draft_model`` with
@@ -85,20 +99,32 @@ from draftsmith.specdec.tree import ROOT, TreeShape, reindex, top_nodes
 from draftsmith.specdec.tree_drafting import Tree
 from draftsmith.specdec.verify import TargetVerifier
 
-# kind_options: the mask token (required), the chain length trained, PARD's conditional drop
-OPTIONS = {"mask_token_id": int, "k": int, "cod_ratio": float, "cod_min": float}
-DEFAULTS = {"k": 6, "cod_ratio": 0.7, "cod_min": 0.2}
+# kind_options: the mask token (required), the chain length trained, PARD's conditional drop, how the
+# mask rows are weighted (module docstring) and the weights' floor
+OPTIONS = {
+    "mask_token_id": int,
+    "k": int,
+    "cod_ratio": float,
+    "cod_min": float,
+    "chain_weights": str,
+    "weight_floor": float,
+}
+DEFAULTS = {"k": 6, "cod_ratio": 0.7, "cod_min": 0.2, "chain_weights": "equal", "weight_floor": 0.1}
+CHAIN_WEIGHTS = ("equal", "target", "draft")
 CONFIG_KEYS = ("pard_token", "mask_token_id")  # vLLM reads either; PARD's own code writes pard_token
 
 
 @dataclass(frozen=True)
 class ChainSettings:
-    """How a parallel draft trains: chains of ``k`` predictions (the ordinary one and k-1 masks), and
-    PARD's conditional drop keeping ``max(cod_ratio^b, cod_min)`` of the loss rows as chain step b."""
+    """How a parallel draft trains: chains of ``k`` predictions (the ordinary one and k-1 masks),
+    PARD's conditional drop keeping ``max(cod_ratio^b, cod_min)`` of the loss rows as chain step b,
+    and the mask rows' weights (``chain_weights``, ``weight_floor``: module docstring)."""
 
     k: int = DEFAULTS["k"]
     cod_ratio: float = DEFAULTS["cod_ratio"]
     cod_min: float = DEFAULTS["cod_min"]
+    chain_weights: str = DEFAULTS["chain_weights"]
+    weight_floor: float = DEFAULTS["weight_floor"]
 
 
 class ParallelDraft(DraftModel):
@@ -114,6 +140,7 @@ class ParallelDraft(DraftModel):
         mask_token_id: int,
         chains: ChainSettings = ChainSettings(),
         head_ids: list[int] | None = None,
+        train_mask_row: bool = False,
     ):
         super().__init__()
         vocab = model.config.vocab_size
@@ -124,6 +151,23 @@ class ParallelDraft(DraftModel):
         self.head_ids = head_ids
         for key in CONFIG_KEYS:  # saved in config.json, where vLLM looks for it
             setattr(model.config, key, mask_token_id)
+        # (H,) the mask's trainable embedding beside a frozen embedding matrix (None: the matrix holds it)
+        self.mask_row: nn.Parameter | None = None
+        if train_mask_row:
+            embedding = model.get_input_embeddings()
+            self.mask_row = nn.Parameter(embedding.weight[mask_token_id].detach().clone())
+            embedding.register_forward_hook(self.with_mask_row)
+
+    def with_mask_row(self, embedding: nn.Module, args: tuple, embedded: torch.Tensor) -> torch.Tensor:
+        """The embedding's output (B, T, H) with ``mask_row`` at the mask tokens of its input ids (B, T)."""
+        at_mask = (args[0] == self.mask_token_id)[..., None]
+        return torch.where(at_mask, self.mask_row.to(embedded.dtype), embedded)
+
+    @torch.no_grad()
+    def merge_mask_row(self) -> None:
+        """Write the trained ``mask_row`` into the embedding matrix (and so into a tied head), as saved."""
+        if self.mask_row is not None:
+            self.lm.get_input_embeddings().weight[self.mask_token_id] = self.mask_row
 
     @property
     def mask_token_id(self) -> int:
@@ -402,19 +446,65 @@ def acceptance(logits: torch.Tensor, teacher_log_probs: torch.Tensor, chunk: int
     return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
 
 
-def chain_weights(
-    alpha: torch.Tensor, rows: torch.Tensor, chains: Chains, inclusion: torch.Tensor, cells: int, k: int
+def draft_weights(
+    alpha: torch.Tensor, rows: torch.Tensor, chains: Chains, inclusion: torch.Tensor, cells: int, k: int, floor: float
 ) -> torch.Tensor:
-    """Each mask's loss weight (E,): the product of its chain's acceptance at steps 0..b-1 (``alpha``
-    (M + E,): the loss rows' ordinary predictions, then the masks) over the chance COD kept it.
-    rows (M,) flat (B, T) loss rows; cells = B * T; inclusion (B, k) from ``cod_depths``."""
+    """``chain_weights: draft``, each mask's weight (E,): the product of its chain's current acceptance
+    at steps 0..b-1 (``alpha`` (M + E,): the loss rows' ordinary predictions, then the masks), at
+    least ``floor``, over the chance COD kept it. rows (M,) flat (B, T) loss rows; cells = B * T;
+    inclusion (B, k) from ``cod_depths``."""
     table = torch.zeros(cells, k, dtype=torch.float64, device=alpha.device)  # [anchor, step] -> alpha
     table[rows, 0] = alpha[: len(rows)].double()
     table[chains.anchor, chains.step] = alpha[len(rows) :].double()
     reached = table.cumprod(1)[chains.anchor, chains.step - 1]  # (E,) P(steps 0..b-1 all accepted)
     length = cells // inclusion.shape[0]
     kept = inclusion.to(alpha.device)[chains.anchor // length, chains.step]
-    return (reached / kept).to(alpha.dtype)
+    return (reached.clamp(min=floor) / kept).to(alpha.dtype)
+
+
+def target_weights(gold: torch.Tensor, rows: torch.Tensor, chains: Chains, cells: int, k: int, floor: float):
+    """``chain_weights: target`` (PARD-2), each mask's weight (E,): the product of the target's
+    probability ``gold`` (M,) of the true next token at loss rows t..t+b-1 (the tokens its chain's
+    earlier steps stand for), at least ``floor``. rows (M,) flat (B, T) loss rows; cells = B * T."""
+    at = torch.zeros(cells, dtype=torch.float64, device=gold.device)
+    at[rows] = gold.double()
+    ahead = torch.stack([at.roll(-s) for s in range(k - 1)], 1)  # (cells, k-1): [t, s] -> p(x_{t+s+1})
+    reached = ahead.cumprod(1)[chains.anchor, chains.step - 1]  # (E,) a mask's steps are loss rows: no wrap
+    return reached.clamp(min=floor).float()
+
+
+def gold_probs(batch: Batch, vocab_size: int) -> torch.Tensor:
+    """(M,) the teacher's probability of the true next token at each loss row, over the head's columns
+    (0 for a token a cut head lacks)."""
+    tokens = batch.input_ids.roll(-1, dims=1).flatten().index_select(0, batch.rows)  # (M,)
+    if batch.head_ids is not None:
+        tokens = vocab_cut.subset_labels(tokens, batch.head_ids, vocab_size)
+    log_p = batch.teacher_log_probs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
+    return torch.where(tokens >= 0, log_p.float().exp(), 0.0)
+
+
+def mask_weights(
+    settings: ChainSettings,
+    logits: torch.Tensor,
+    chains: Chains,
+    teacher_rows: torch.Tensor,
+    inclusion: torch.Tensor,
+    batch: Batch,
+    vocab_size: int,
+) -> torch.Tensor:
+    """The loss weight (E,) float32 of each mask row by ``settings.chain_weights`` (module docstring):
+    logits (M + E, n) and teacher_rows (M + E,) from ``chain_predictions``, inclusion (B, k) from
+    ``cod_depths``."""
+    if settings.chain_weights == "equal":
+        return torch.ones(len(chains.step), device=logits.device)
+    if batch.teacher_log_probs is None:
+        raise DraftsmithError("parallel drafts weight their chains by the teacher's log-probs at the loss rows")
+    cells = batch.input_ids.numel()
+    if settings.chain_weights == "target":
+        gold = gold_probs(batch, vocab_size)
+        return target_weights(gold, batch.rows, chains, cells, settings.k, settings.weight_floor)
+    alpha = acceptance(logits.detach(), batch.teacher_log_probs.index_select(0, teacher_rows))
+    return draft_weights(alpha, batch.rows, chains, inclusion, cells, settings.k, settings.weight_floor).float()
 
 
 def chain_predictions(
@@ -465,12 +555,27 @@ def every_chain(
     return logits, teacher_rows, torch.cat([torch.zeros_like(rows), chains.step])
 
 
+def lm_state(draft: ParallelDraft, state: dict) -> dict:
+    """The LM's state dict from the draft's full one: names without ``lm.``, and ``mask_row`` written
+    into the embedding matrix (one tensor under every name it has, a tied head's too)."""
+    state = {key.removeprefix("lm."): value for key, value in state.items()}
+    row = state.pop("mask_row", None)
+    if row is None:
+        return state
+    embedding = draft.lm.get_input_embeddings().weight
+    names = [name for name, p in draft.lm.named_parameters(remove_duplicate=False) if p is embedding]
+    merged = state[names[0]].clone()
+    merged[draft.mask_token_id] = row.to(merged.dtype)
+    return state | {name: merged for name in names if name in state}
+
+
 class ParallelKind(KindBase):
     """The parallel draft (``draft_kind: parallel``): a standalone LM as ``lm`` builds it (``draft_init``,
     ``draft_layers``, ...) with ``kind_options``: ``mask_token_id`` (required: an id of the target's
     vocabulary the data never uses, e.g. 16 ``<empty_output>`` for SmolLM2), ``k`` (the tokens a
     forward proposes in training, default 6), ``cod_ratio`` and ``cod_min`` (PARD's conditional
-    drop: 0.7 and 0.2)."""
+    drop: 0.7 and 0.2), ``chain_weights`` (``equal``, ``target`` or ``draft``: module docstring) and
+    ``weight_floor`` (0.1)."""
 
     name = "parallel"
     model_class = ParallelDraft
@@ -493,6 +598,12 @@ class ParallelKind(KindBase):
             raise DraftsmithError(f"kind_options: k must be >= 2 (tokens proposed per forward), got {options['k']}")
         if not 0 < options["cod_ratio"] <= 1 or not 0 <= options["cod_min"] <= 1:
             raise DraftsmithError("kind_options: cod_ratio must be in (0, 1] and cod_min in [0, 1]")
+        scheme = options["chain_weights"]
+        if scheme not in CHAIN_WEIGHTS:
+            named = ", ".join(CHAIN_WEIGHTS)
+            raise DraftsmithError(f"kind_options: chain_weights must be one of {named}, got {scheme!r}")
+        if not 0 <= options["weight_floor"] <= 1:
+            raise DraftsmithError(f"kind_options: weight_floor must be in [0, 1], got {options['weight_floor']}")
         if settings.lora_r:
             raise DraftsmithError("parallel drafts train the whole draft: leave out lora_r")
         if settings.loss == "accepted_length":  # its windows run over consecutive rows, not over chain steps
@@ -523,27 +634,28 @@ class ParallelKind(KindBase):
                 "template writes it into every prompt; pick an id the tokenizer never produces"
             )
         chains = ChainSettings(**{key: self.options(settings)[key] for key in DEFAULTS})
-        return ParallelDraft(model, mask, chains).train()
+        # frozen embeddings: the mask's row still learns (the data never feeds the mask, so nothing else trains it)
+        return ParallelDraft(model, mask, chains, train_mask_row=settings.freeze_embeddings).train()
 
     def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
         """The ordinary predictions at the loss rows (M, n), then, in training, every kept chain step
-        with its teacher row and its expected-accepted-length weight (module docstring)."""
+        with its teacher row and its weight (``chain_weights``, module docstring)."""
         if not model.training:  # held-out alpha reads the ordinary predictions only
             with vocab_cut.loss_rows_head(model, batch.rows, batch.head_ids):
                 logits = draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
             return Predictions(logits)  # (M, n)
-        if batch.teacher_log_probs is None:
-            raise DraftsmithError("parallel drafts weight their chains by the teacher's log-probs at the loss rows")
         settings = model.chains
         depth, inclusion = cod_depths(batch.loss_mask, settings.k, settings.cod_ratio, settings.cod_min)
         logits, chains, teacher_rows = chain_predictions(draft, model, batch, depth, model.mask_token_id)  # (M + E, n)
-        alpha = acceptance(logits.detach(), batch.teacher_log_probs.index_select(0, teacher_rows))
-        weights = chain_weights(alpha, batch.rows, chains, inclusion, batch.input_ids.numel(), settings.k)
+        weights = mask_weights(settings, logits, chains, teacher_rows, inclusion, batch, model.config.vocab_size)
         return Predictions(logits, teacher_rows, torch.cat([torch.ones_like(batch.rows, dtype=weights.dtype), weights]))
 
     def save(self, draft: torch.nn.Module, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
-        if state is not None:  # a sharded model's full state, named from the wrapper
-            state = {key.removeprefix("lm."): value for key, value in state.items()}
+        """A plain model folder: the LM, its trained mask row written into its embedding matrix."""
+        if state is None:
+            draft.merge_mask_row()
+        else:  # the full state, named from the wrapper
+            state = lm_state(draft, state)
         lm.KIND.save(draft.lm, state, tokenizer, folder, target_name)
 
     def files(self) -> tuple[str, ...]:

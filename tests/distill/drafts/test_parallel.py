@@ -11,10 +11,13 @@ positions 2..K; the published folder is what vLLM's parallel drafting loads (a r
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.cli import main
 from draftsmith.distill import data as ddata
@@ -23,11 +26,14 @@ from draftsmith.distill.drafts.kind import Batch, DraftSettings, Serving
 from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.distill.drafts.parallel import (
     KIND,
+    ChainSettings,
     ParallelDraft,
     chain_layout,
-    chain_weights,
     cod_depths,
+    draft_weights,
+    gold_probs,
     loss_runs,
+    mask_weights,
     position_acceptance,
 )
 from draftsmith.specdec import draft_vocab, verify
@@ -48,6 +54,7 @@ from draftsmith.train.models import load_target
 from draftsmith.train.speedup import measure_draft
 from tests.helpers import (
     assert_fits,
+    check_card_usage,
     fit_scores,
     noisy_copy,
     sample_spec,
@@ -362,21 +369,74 @@ def test_a_mask_chain_in_training_sees_what_it_sees_when_drafting(draft):
     )
 
 
-def test_chain_weights_are_the_acceptance_of_the_earlier_steps_over_the_chance_of_being_kept():
+def one_chain(steps: int, anchor: int = 0) -> parallel.Chains:
+    """The layout fields the weights read: one chain of ``steps`` masks at ``anchor``."""
+    width = 4 + steps
+    return parallel.Chains(
+        input_ids=torch.zeros(1, width, dtype=torch.long),
+        positions=torch.zeros(1, width, dtype=torch.long),
+        attention=torch.ones(1, 1, width, width, dtype=torch.bool),
+        rows=torch.arange(width),
+        anchor=torch.full((steps,), anchor),
+        step=torch.arange(1, steps + 1),
+    )
+
+
+def test_draft_weights_are_the_acceptance_of_the_earlier_steps_at_least_the_floor_over_the_chance_of_being_kept():
     # One sequence of 4 positions, loss rows 0..3; chains at anchor 0 (steps 1, 2) and anchor 1 (step 1).
     rows = torch.tensor([0, 1, 2, 3])
-    chains = parallel.Chains(
-        input_ids=torch.zeros(1, 7, dtype=torch.long),
-        positions=torch.zeros(1, 7, dtype=torch.long),
-        attention=torch.ones(1, 1, 7, 7, dtype=torch.bool),
-        rows=torch.arange(7),
-        anchor=torch.tensor([0, 0, 1]),
-        step=torch.tensor([1, 2, 1]),
-    )
+    chains = one_chain(2)
+    chains.anchor, chains.step = torch.tensor([0, 0, 1]), torch.tensor([1, 2, 1])
     alpha = torch.tensor([0.5, 0.8, 0.9, 0.4, 0.6, 0.3, 0.7])  # 4 ordinary rows, then the 3 masks
     inclusion = torch.tensor([[1.0, 0.5, 0.25]], dtype=torch.float64)
-    weights = chain_weights(alpha, rows, chains, inclusion, cells=4, k=3)
+    weights = draft_weights(alpha, rows, chains, inclusion, cells=4, k=3, floor=0.0)
     torch.testing.assert_close(weights, torch.tensor([0.5 / 0.5, 0.5 * 0.6 / 0.25, 0.8 / 0.5]))
+    floored = draft_weights(alpha, rows, chains, inclusion, cells=4, k=3, floor=0.4)
+    torch.testing.assert_close(floored, torch.tensor([0.5 / 0.5, 0.4 / 0.25, 0.8 / 0.5]))
+
+
+def weights_for(scheme: str, alpha: list[float], gold: list[float], floor: float = 0.1) -> list[float]:
+    """The weights ``scheme`` gives one chain of len(alpha) - 1 masks anchored at loss row 0 of a
+    sequence of 4 loss rows whose true tokens have target probability ``gold``, the draft's current
+    acceptance being ``alpha`` (the ordinary prediction, then the masks); nothing dropped."""
+    steps = len(alpha) - 1
+    chains = one_chain(steps)
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    rows = torch.arange(4)
+    teacher = torch.full((4, 16), 1e-9)
+    teacher[rows, ids[0, 1:]] = torch.tensor(gold)  # p of each row's true next token
+    batch = Batch(ids, torch.ones_like(ids), torch.ones(1, 5, dtype=torch.bool), rows, None, {}, teacher.log())
+    logits = torch.zeros(4 + steps, 16)
+    teacher_rows = torch.cat([rows, torch.arange(1, steps + 1)])
+    settings = ChainSettings(k=steps + 1, chain_weights=scheme, weight_floor=floor)
+    inclusion = torch.ones(1, steps + 1, dtype=torch.float64)
+    if scheme == "draft":  # the draft's acceptance: position 1 at every loss row, then the masks
+        acceptances = torch.tensor([alpha[0]] * 4 + alpha[1:])
+        return draft_weights(acceptances, rows, chains, inclusion, cells=5, k=steps + 1, floor=floor).tolist()
+    return mask_weights(settings, logits, chains, teacher_rows, inclusion, batch, 16).tolist()
+
+
+def test_each_scheme_weighs_the_masks_of_a_chain_as_its_source_does():
+    # Acceptances as measured on a parallel draft trained by the draft's own acceptance: position 1 at
+    # 0.2, the masks at 0.138, 0.051, 0.038; the target's probability of the true tokens 0.9, 0.8, 0.7.
+    alpha, gold = [0.2, 0.138, 0.051, 0.038], [0.9, 0.8, 0.7, 0.6]
+    # Without a floor the draft's acceptance starves the deep masks: 0.2, 0.0276, 0.0014.
+    assert weights_for("draft", alpha, gold, floor=0.0) == pytest.approx([0.2, 0.2 * 0.138, 0.2 * 0.138 * 0.051])
+    assert weights_for("draft", alpha, gold) == pytest.approx([0.2, 0.1, 0.1])
+    # PARD: every kept mask row at full weight.
+    assert weights_for("equal", alpha, gold) == [1.0, 1.0, 1.0]
+    # PARD-2: the target's probability of the tokens the earlier steps stand for, whatever the draft does.
+    assert weights_for("target", alpha, gold) == pytest.approx([0.9, 0.72, 0.504])
+    assert weights_for("target", alpha, [0.9, 0.1, 0.7, 0.6], floor=0.2) == pytest.approx([0.9, 0.2, 0.2])
+
+
+def test_gold_probabilities_read_the_true_next_token_over_the_cut_head():
+    ids = torch.tensor([[3, 5, 7, 9]])
+    rows = torch.tensor([0, 1, 2])  # true next tokens 5, 7, 9
+    head = torch.tensor([5, 9, 2])  # 7 is not in the cut
+    teacher = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.1, 0.5, 0.4]]).log()  # over the cut's columns
+    batch = Batch(ids, torch.ones_like(ids), torch.ones(1, 4, dtype=torch.bool), rows, head, {}, teacher)
+    assert gold_probs(batch, 16).tolist() == pytest.approx([0.6, 0.0, 0.5])
 
 
 def tiny_batch(target):
@@ -416,6 +476,71 @@ def test_the_training_forward_gives_next_token_predictions_first_then_weighted_c
     assert bool((predicted.weights[m:] > 0).all()) and predicted.logits.requires_grad
     model.eval()
     assert KIND.training_forward(model, model, batch).teacher_rows is None  # held-out alpha: the next token only
+
+
+def tied_llama(vocab: int = V) -> LlamaForCausalLM:
+    """A random 2-layer Llama whose head is its input embedding (as SmolLM2's is)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_frozen_embeddings_still_train_the_mask_row_and_the_saved_folder_is_a_plain_model(tmp_path):
+    target = tied_llama()
+    settings = DraftSettings(kind="parallel", layers="1", freeze_embeddings=True, options={"mask_token_id": MASK})
+    draft = KIND.build(settings, target, tiny_tokenizer(V), torch.device("cpu"))
+    matrix = draft.lm.get_input_embeddings().weight
+    assert draft.lm.get_output_embeddings().weight is matrix and not matrix.requires_grad
+    assert draft.mask_row.requires_grad and torch.equal(draft.mask_row, matrix[MASK])
+    before = matrix.detach().clone()
+
+    data = tiny_batch(target)
+    rows = data["loss_mask"].flatten().nonzero()[:, 0]
+    with torch.no_grad():
+        teacher = target(input_ids=data["input_ids"]).logits.flatten(0, 1)[rows].log_softmax(-1)
+    batch = Batch(data["input_ids"], data["attention_mask"], data["loss_mask"], rows, teacher_log_probs=teacher)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=0.01, weight_decay=0.0)
+    torch.manual_seed(0)
+    predicted = KIND.training_forward(draft, draft, batch)
+    log_q = predicted.logits.log_softmax(-1)
+    p = teacher[predicted.teacher_rows]
+    loss = ((p.exp() * (p - log_q)).sum(-1) * predicted.weights).sum() / len(rows)  # forward KL
+    loss.backward()
+    optimizer.step()
+
+    assert torch.equal(matrix, before)  # every row of the frozen matrix (and so of the tied head) as it was
+    moved = (draft.mask_row - before[MASK]).abs().max()
+    assert moved > 1e-3  # Adam's first step moves each coordinate by about lr
+    # The drafter feeds the masks through the model's own embedding: it reads the trained row.
+    with torch.no_grad():
+        embedded = draft.lm.get_input_embeddings()(torch.tensor([[5, MASK]]))
+    assert torch.equal(embedded[0, 1], draft.mask_row.detach()) and torch.equal(embedded[0, 0], before[5])
+
+    for name, state in (("full-state", draft.state_dict()), ("live", None)):
+        KIND.save(draft, state, tiny_tokenizer(V), tmp_path / name, "tiny")
+        saved = load_draft(str(tmp_path / name), target, torch.device("cpu"), torch.float32)
+        weight = saved.lm.get_input_embeddings().weight
+        assert saved.mask_row is None and saved.lm.get_output_embeddings().weight is weight
+        assert torch.equal(weight[MASK], draft.mask_row.detach())
+        others = torch.arange(V) != MASK
+        assert torch.equal(weight[others], before[others])
+        assert "mask_row" not in load_file(tmp_path / name / "model.safetensors")
+    # Trainable embeddings: the matrix holds the mask row and learns it with the rest.
+    trainable_matrix = dataclasses.replace(settings, freeze_embeddings=False)
+    unfrozen = KIND.build(trainable_matrix, target, tiny_tokenizer(V), torch.device("cpu"))
+    assert unfrozen.mask_row is None and unfrozen.lm.get_input_embeddings().weight.requires_grad
 
 
 # ---- saving, publishing, serving ----------------------------------------------------------------------
@@ -462,7 +587,13 @@ def test_settings_are_checked_by_name():
         KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3}, lora_r=8))
     with pytest.raises(DraftsmithError, match="weight their chain steps for accepted length themselves"):
         KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3}, loss="accepted_length"))
+    with pytest.raises(DraftsmithError, match="chain_weights must be one of equal, target, draft, got 'pard'"):
+        KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3, "chain_weights": "pard"}))
+    with pytest.raises(DraftsmithError, match=r"weight_floor must be in \[0, 1\], got 1.5"):
+        KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3, "weight_floor": 1.5}))
     KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3, "k": 8, "cod_ratio": 0.8}))
+    pard2 = {"mask_token_id": 3, "chain_weights": "target", "weight_floor": 0.0}
+    KIND.check(DraftSettings(kind="parallel", options=pard2))
     with pytest.raises(DraftsmithError, match="mask_token_id must be a vocabulary id"):
         ParallelDraft(tiny_llama(vocab=V), V)
 
@@ -513,6 +644,28 @@ def test_distill_raises_the_acceptance_of_positions_2_to_k_and_the_draft_ranks_a
     out = tmp_path / "published"
     assert main(["publish", str(run), "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["pard_token"] == 2 and kind_of_folder(out) is KIND
+    text = check_card_usage(out, KIND, json.loads((run / "best.json").read_text())["best_gamma"])
+    assert "'parallel_drafting': True" in text and "mask token 2" in text
+
+
+# The first 3 losses of configs/tiny.yaml trained as a parallel draft with frozen embeddings and the
+# default ``chain_weights`` (float32, the tiny config's seed), from losses.jsonl of the run below on a
+# 2-core x86 CPU (torch 2.13 CPU build).
+PINNED_CHAIN_LOSSES = [1.2921321392059326, 1.3026052713394165, 1.099622368812561]
+
+
+def test_a_tiny_parallel_run_has_pinned_losses_and_learns_only_the_mask_row_of_its_frozen_embeddings(tmp_path):
+    run = tmp_path / "run"
+    kind = ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}", "freeze_embeddings=true"]
+    steps = ["max_steps=3", "save_steps=3", "log_steps=3"]
+    assert main(["distill", "--config", "tiny", f"output_dir={run}", *kind, *steps]) == 0
+    losses = [json.loads(line)["loss"] for line in (run / "losses.jsonl").read_text().splitlines()]
+    assert losses == pytest.approx(PINNED_CHAIN_LOSSES, abs=1e-5)
+    before, after = (load_file(run / name / "model.safetensors") for name in ("initial", "checkpoint-3"))
+    assert "mask_row" not in after  # a plain model folder
+    matrix, trained = before["model.embed_tokens.weight"], after["model.embed_tokens.weight"]
+    others = torch.arange(len(matrix)) != 2
+    assert torch.equal(trained[others], matrix[others]) and not torch.equal(trained[2], matrix[2])
 
 
 # ---- the default target, and a real vLLM server ------------------------------------------------------
