@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,6 +302,18 @@ def test_the_kind_trains_checkpoints_resumes_ranks_and_publishes(tmp_path):
     check_layout(out, hidden=64, layers=1)
     assert KIND.engine_config(out) == {"method": "dflash", "model": str(out)}
     assert KIND.read_serving(out).gamma == json.loads((run / "best.json").read_text())["best_gamma"]
+
+
+def test_from_the_feature_store_it_runs_no_target_forward_and_learns_what_the_live_run_learns(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # no store another test built
+    live = train(tiny_run(tmp_path / "live", max_steps=3, save_steps=3, log_steps=3)).run_dir
+    exact = {"teacher_cache": "true", "teacher_top_k": 103, "teacher_cache_dtype": "float32"}
+    stored = train(tiny_run(tmp_path / "stored", max_steps=3, save_steps=3, log_steps=3, **exact)).run_dir
+    summary = json.loads((stored / "train_summary.json").read_text())
+    assert (summary["teacher_forwards"], summary["teacher"]) == (0, "store")
+    assert list(losses(stored).values()) == pytest.approx(list(losses(live).values()), rel=1e-3)
+    meta = json.loads((Path(summary["store"]) / "meta.json").read_text())
+    assert meta["layers"] == [3]  # the output of target layer 2 (the middle one): what a 1-layer draft reads
 
 
 def test_the_export_drafts_as_the_draft_did_and_a_broken_folder_is_refused(target, draft, tmp_path):
