@@ -1,13 +1,13 @@
 """Drafter kinds side by side on the default target: the 2-layer truncated LM, the early-exit draft,
-the EAGLE-3 head and the parallel (PARD) draft, each trained the same wall-clock minutes on the same
-shipped data, then measured on held-out prompts.
+the EAGLE-3 head, the parallel (PARD) draft and the DFlash draft, each trained the same wall-clock
+minutes on the same shipped data, then measured on held-out prompts.
 
 Training: each kind's shipped config (``configs/smollm2-135m.yaml``, ``smollm2-135m-early-exit.yaml``,
-``smollm2-135m-eagle3.yaml``, ``smollm2-135m-parallel.yaml``) on ``dataset: smollm2-self``, stepped
-until ``--minutes`` of training steps have passed or its ``max_steps`` are done (set-up, held-out
-evaluations and checkpoint writing not counted), then its held-out alpha logged and its draft
-saved. The machine's load is recorded before and after each run: on a shared machine the same
-minutes buy fewer steps when it is busy.
+``smollm2-135m-eagle3.yaml``, ``smollm2-135m-parallel.yaml``, ``smollm2-135m-dflash.yaml``) on
+``dataset: smollm2-self``, stepped until ``--minutes`` of training steps have passed or its
+``max_steps`` are done (set-up, held-out evaluations and checkpoint writing not counted), then its
+held-out alpha logged and its draft saved. The machine's load is recorded before and after each
+run: on a shared machine the same minutes buy fewer steps when it is busy.
 
 Measured per draft, greedy, batch 1, on prompts never trained on (``distill/data/eval_prompts.jsonl``):
 
@@ -16,7 +16,8 @@ Measured per draft, greedy, batch 1, on prompts never trained on (``distill/data
   argmax. A standalone LM or an early-exit draft drafts every position from the true prefix, so its
   figure is the same at every j; the EAGLE-3 head's step j reads its own features of step j-1
   (its training forward, unrolled ``--positions`` steps); the parallel draft's step j is its mask
-  position j, read in the same forward as step 0 (its chains of masks, as it trains);
+  position j, read in the same forward as step 0 (its chains of masks, as it trains); the DFlash
+  draft's step j is block position j+1 of the block anchored at each answer row, one forward;
 - eval-run's measurement (``train.speedup.measure_draft``): tau, alpha, c, v, the measured and
   predicted speedup at the best gamma of ``--gammas``, and the best token tree of ``--trees``;
 - in float32, and in bfloat16 where the CPU multiplies it natively (the machine's flags are saved).
@@ -25,7 +26,7 @@ Each kind's folder under ``--out`` keeps its saved draft and ``trained.json`` (s
 ``benchmarks/parallel_drafting.py --drafts OUT`` measures the truncated LM and the parallel draft
 trained here instead of training its own.
 
-Run (4 x MINUTES of training, then about 20 minutes of measuring per dtype on 2 cores):
+Run (5 x MINUTES of training, then about 20 minutes of measuring per dtype on 2 cores):
     .venv/bin/python benchmarks/drafter_kinds.py --minutes 20
 Smoke test on the tiny target (a few minutes):
     .venv/bin/python benchmarks/drafter_kinds.py --smoke
@@ -41,6 +42,7 @@ import torch
 from common import PROMPTS, save
 from kind_runs import answers_batch, decoding_draft, train_for
 
+from draftsmith.distill.drafts.dflash import DFlashDraft, block_targets
 from draftsmith.distill.drafts.eagle3 import KIND as EAGLE3
 from draftsmith.distill.drafts.eagle3 import EagleHead, unroll
 from draftsmith.distill.drafts.kind import Batch
@@ -63,6 +65,7 @@ KINDS = {  # name -> (config, overrides): every kind on the same shipped data
     "early exit (4 layers + exit head)": ("smollm2-135m-early-exit.yaml", ["dataset=smollm2-self"]),
     "EAGLE-3 head": ("smollm2-135m-eagle3.yaml", ["dataset=smollm2-self"]),
     "parallel draft (2 layers, 6 masks)": ("smollm2-135m-parallel.yaml", ["dataset=smollm2-self"]),
+    "DFlash draft (2 layers, blocks of 8)": ("smollm2-135m-dflash.yaml", ["dataset=smollm2-self"]),
 }
 # --smoke: configs/tiny.yaml as each kind
 SMOKE = {
@@ -72,6 +75,10 @@ SMOKE = {
     "parallel draft (1 layer, 4 masks)": (
         "tiny.yaml",
         ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}"],
+    ),
+    "DFlash draft (1 layer, blocks of 4)": (
+        "tiny.yaml",
+        ["draft_kind=dflash", "draft_layers=1", "kind_options={mask_token_id: 2, block_size: 4}"],
     ),
 }
 
@@ -85,6 +92,8 @@ def greedy_agreement(draft, target, batch: dict, positions: int) -> list[float]:
     best = out.logits.flatten(0, 1)[rows].argmax(-1)  # (M,) the target's token at each row
     if isinstance(draft, ParallelDraft):
         return parallel_agreement(draft, batch, rows, best, positions)
+    if isinstance(draft, DFlashDraft):
+        return dflash_agreement(draft, batch, out.hidden_states, rows, best, positions)
     if not isinstance(draft, EagleHead):
         logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return [float((logits.flatten(0, 1)[rows].argmax(-1) == best).float().mean())] * positions
@@ -110,6 +119,24 @@ def parallel_agreement(draft: ParallelDraft, batch: dict, rows, best, positions:
     drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
     agree = (drafted == best[teacher_rows]).float()
     return [float(agree[step == j].mean()) for j in range(positions)]
+
+
+def dflash_agreement(draft: DFlashDraft, batch: dict, states, rows, best, positions: int) -> list[float]:
+    """Per block position j+1, the share of answer rows where the DFlash draft's token there (the block
+    anchored at each answer row, one forward, every position that stays inside the answer) is the
+    target's argmax given the true prefix."""
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    anchors = [row.nonzero()[:, 0] for row in batch["loss_mask"]]
+    width = max(len(a) for a in anchors)
+    padded = torch.zeros(len(anchors), width, dtype=torch.long)
+    valid = torch.zeros(len(anchors), width, dtype=torch.bool)
+    for b, a in enumerate(anchors):
+        padded[b, : len(a)], valid[b, : len(a)] = a, True
+    hidden = draft(ids, attention, {i: states[i] for i in draft.feature_layers}, padded, positions + 1)
+    index, teacher_rows, k = block_targets(rows, padded, valid, ids.shape[1], positions + 1)
+    drafted = draft.lm_head(hidden.flatten(0, 2).index_select(0, index)).argmax(-1)
+    agree = (drafted == best[teacher_rows]).float()
+    return [float(agree[k == j + 1].mean()) for j in range(positions)]
 
 
 def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dtype, args) -> dict:
