@@ -38,6 +38,7 @@ from draftsmith.specdec.compiled import make_stream, resolve_compile
 from draftsmith.specdec.drafters import Drafter, LMDrafter, PairedDraft, Proposal
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.sampling import SamplingParams, choose_token
 from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad
 from draftsmith.specdec.tree_drafting import accept_tree, kept_rows
@@ -58,6 +59,9 @@ class DecodeStats:
     tree_nodes: int = 0  # tree mode: draft nodes verified, over all rounds (equals proposed)
     target_forwards: int = 0  # including the prefill
     draft_forwards: int = 0  # including the prefill
+    paused: int = 0  # sequence rounds without drafting, where drafting did not pay (``DecodeOptions.pace``)
+    # (proposed, accepted) of every sequence round that drafted a chain, in order (per-position acceptance)
+    round_counts: list[tuple[int, int]] = field(default_factory=list)
     seq_proposed: list[int] = field(default_factory=list)  # per prompt, in input order
     seq_accepted: list[int] = field(default_factory=list)
     prefill_time: float = 0.0
@@ -233,11 +237,13 @@ def speculative_generate(
         stats.prefill_time += clock.lap()
 
         live = list(range(batch))  # the sequence in each row of the models' batches
+        pacer = Pacer(options.gamma, batch) if options.pace and options.tree is None else None
+        progress = Progress(out, stats, clock, generator, device, pacer)
         while live := _drop_finished(out, live, [verifier, drafter], device):
             if options.tree is not None:  # the same four steps over a token tree (tree_drafting)
-                _tree_round(Progress(out, stats, clock, generator, device), verifier, drafter, options)
+                _tree_round(progress, verifier, drafter, options)
                 continue
-            _chain_round(Progress(out, stats, clock, generator, device), live, verifier, drafter, options)
+            _chain_round(progress, live, verifier, drafter, options)
     stats.total_time = clock.total()
     return out.tokens, stats
 
@@ -245,13 +251,15 @@ def speculative_generate(
 @dataclass
 class Progress:
     """What every round of one decoding call updates or reads: the outputs, the counters, the clock,
-    the random generator of sampling, and the device the target decodes on."""
+    the random generator of sampling, the device the target decodes on, and the pacer that pauses
+    drafting where it does not pay (None: every sequence drafts every round)."""
 
     out: Outputs
     stats: DecodeStats
     clock: Clock
     generator: torch.Generator | None
     device: torch.device
+    pacer: Pacer | None = None
 
 
 def _chain_round(
@@ -260,21 +268,29 @@ def _chain_round(
     """One round for the ``live`` sequences (one per batch row): draft, verify, accept, commit."""
     out, stats, clock, generator = progress.out, progress.stats, progress.clock, progress.generator
     device = progress.device
-    # 1. Draft: up to gamma tokens each, never past max_new_tokens (a round emits n + 1).
-    budget = torch.tensor([min(options.gamma, out.remaining(seq) - 1) for seq in live], device=device)
+    # 1. Draft: up to gamma tokens each, never past max_new_tokens (a round emits n + 1); nothing
+    #    for a sequence the pacer pauses (its round is a plain target step).
+    drafts = progress.pacer.drafts(live) if progress.pacer is not None else [True] * len(live)
+    budget = [min(options.gamma, out.remaining(seq) - 1) if go else 0 for seq, go in zip(live, drafts, strict=True)]
+    stats.paused += drafts.count(False)
+    budget = torch.tensor(budget, device=device)
     proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
     stats.draft_forwards += proposal.steps
-    stats.draft_time += clock.lap()
+    draft_s = clock.lap()
+    stats.draft_time += draft_s
 
     # 2. Verify: one target forward over [x_n, d_1 .. d_g] for every sequence.
     last = torch.tensor([out.sequences[seq][-1] for seq in live], device=device)
     inputs, valid = verification_inputs(last, proposal)
     verification = verifier.verify(inputs, valid, proposal.reusable)  # logits (B, g+1, V)
     stats.target_forwards += 1
-    stats.verify_time += clock.lap()
+    verify_s = clock.lap()
+    stats.verify_time += verify_s
 
     # 3. Accept a prefix of each proposal, then one token from the target after it.
     n_accepted, next_token = accept(proposal, verification.logits, options.sampling, generator)
+    if progress.pacer is not None:
+        progress.pacer.record(live, proposal.counts, n_accepted, draft_s, verify_s)
 
     # 4. Commit: the drafter sees what verification produced for the committed rows (x_n and the
     #    accepted drafts); emit, then roll both caches back to the committed tokens except the
@@ -391,5 +407,7 @@ def _emit_round(
         stats.accepted += accepted[row]
         stats.seq_proposed[seq] += proposed[row]
         stats.seq_accepted[seq] += accepted[row]
+        if proposed[row]:
+            stats.round_counts.append((proposed[row], accepted[row]))
     stats.rounds += 1
     stats.seq_rounds += len(live)

@@ -30,6 +30,9 @@ class DecodeOptions:
     tree: draft a token tree of this shape each round instead of a chain (``tree_drafting``); then
         ``gamma`` and ``verify_widths`` are not used (the tree's depth takes gamma's place), and
         only batch 1 with a standalone draft LM is supported.
+    pace: stop drafting for a sequence while drafting does not pay for it (its acceptance, the
+        draft's and the verification's measured cost against a plain target step), trying again
+        now and then (``pacing``); exact either way. Chains only (a tree always drafts).
     compile: run the decoding steps of both models as compiled graphs over static caches
         (``compiled``; CUDA graphs on CUDA); None compiles on CUDA and decodes eager elsewhere.
         Token trees always decode eager; a draft with its own decoding pair may too.
@@ -43,6 +46,7 @@ class DecodeOptions:
     verify_widths: Mapping[int, int] = field(default_factory=dict)
     draft_options: Mapping[str, object] = field(default_factory=dict)
     tree: TreeShape | None = None
+    pace: bool = False
     compile: bool | None = None
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ from draftsmith.specdec.measure.costs import step_costs, sum_stats
 from draftsmith.specdec.measure.hf_compare import HFComparison
 from draftsmith.specdec.measure.tables import spread
 from draftsmith.specdec.measure.tally import Tally
-from draftsmith.specdec.measure.theory import predicted_speedup, predicted_tree_speedup
+from draftsmith.specdec.measure.theory import acceptance_by_position, predicted_speedup, predicted_tree_speedup
 
 
 def pair_metrics(target: Tally, spec: Tally, gamma: int, tree: bool = False, forwards: int | None = None) -> dict:
@@ -39,6 +39,9 @@ def pair_metrics(target: Tally, spec: Tally, gamma: int, tree: bool = False, for
         "nodes_per_round": sp.nodes_per_round,  # tree rounds only
         "proposed": sp.proposed,
         "accepted": sp.accepted,
+        "acceptance_by_position": None if tree else acceptance_by_position(sp.round_counts, gamma),
+        # sequence rounds without drafting, where the pacer found that drafting did not pay
+        "paused_share": sp.paused / sp.seq_rounds if sp.seq_rounds else None,
         "time_split_s": {
             "prefill": sp.prefill_time,
             "draft": sp.draft_time,

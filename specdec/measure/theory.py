@@ -38,6 +38,17 @@ def predicted_tree_speedup(spec: DecodeStats, c: float, v: float, calls: int) ->
     return tau / (draft_steps * c + v)
 
 
+def acceptance_by_position(round_counts: list[tuple[int, int]], gamma: int) -> list[float | None]:
+    """Per draft position j = 1..gamma, the share of rounds that reached j with a proposal there whose
+    token j was accepted: ``P(d_j accepted | d_1 .. d_{j-1} accepted)``, from each round's
+    (proposed, accepted) counts (``DecodeStats.round_counts``); None where no round reached j."""
+    shares = []
+    for j in range(1, gamma + 1):
+        reached = [accepted >= j for proposed, accepted in round_counts if proposed >= j and accepted >= j - 1]
+        shares.append(sum(reached) / len(reached) if reached else None)
+    return shares
+
+
 def alpha_from_tau(tau: float, gamma: int) -> float:
     """The per-position acceptance rate a that gives ``tau = (1 - a^(gamma+1)) / (1 - a)`` tokens per round.
 

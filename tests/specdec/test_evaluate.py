@@ -12,7 +12,7 @@ from draftsmith.specdec.measure.figures import report_from_repeats
 from draftsmith.specdec.measure.pair import evaluate_pair
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.tally import Tally
-from draftsmith.specdec.measure.theory import alpha_from_tau, predicted_speedup
+from draftsmith.specdec.measure.theory import acceptance_by_position, alpha_from_tau, predicted_speedup
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt
 from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
@@ -100,3 +100,27 @@ def test_every_pair_times_its_own_target_runs_interleaved_with_the_drafts(monkey
         assert "baseline_shared" not in report
         rates.append(report["target_tokens_per_s"])
     assert rates[0] != rates[1]  # the second draft's target runs were timed again, not reused
+
+
+def test_acceptance_by_position_counts_the_rounds_that_reached_each_position():
+    # gamma 3: rounds accepting 3, 1, 0, 2 of 3, and one proposing 2 (a budget cut) accepting both.
+    counts = [(3, 3), (3, 1), (3, 0), (3, 2), (2, 2)]
+    # position 1: 4 of 5 rounds accepted it; position 2: of the 4 that reached it, 3 accepted;
+    # position 3: of the 2 that reached it with a proposal there (the budget-cut round proposed none), 1.
+    assert acceptance_by_position(counts, 3) == pytest.approx([4 / 5, 3 / 4, 1 / 2])
+    assert acceptance_by_position([(1, 0)], 2) == [0.0, None]
+
+
+def test_a_measurement_reports_the_decoders_acceptance_at_each_position():
+    target, tokenizer = tiny_llama(vocab=32, sharpness=8.0), tiny_tokenizer(32)
+    prompts = [Prompt(str(i), "writing", [[{"role": "user", "content": f"w{3 + i} w{10 + i}"}]]) for i in range(2)]
+    settings = MeasureSettings(prompts, options=DecodeOptions(gamma=3), max_new_tokens=16, progress=False)
+    perfect = evaluate_pair(target, target, tokenizer, settings)
+    assert perfect["acceptance_by_position"] == [1.0, 1.0, 1.0]
+    draft = noisy_copy(target, 0.3)
+    noisy = evaluate_pair(target, draft, tokenizer, settings)
+    first, second, _ = noisy["acceptance_by_position"]
+    assert 0.5 < first < 1.0 and second < first  # measured 0.73 and 0.18 on these two prompts
+    # At gamma 1 every round proposes one token: position 1's share is accepted / proposed.
+    one = evaluate_pair(target, draft, tokenizer, dataclasses.replace(settings, options=DecodeOptions(gamma=1)))
+    assert one["acceptance_by_position"] == [pytest.approx(one["acceptance_rate"])]

@@ -1,0 +1,116 @@
+"""Pacing: a sequence stops drafting while drafting does not pay for it, and tries again now and then.
+
+A round with drafting emits ``tau = (1 - a^(g+1)) / (1 - a)`` tokens on average for per-position
+acceptance ``a`` (Leviathan et al. 2023, Theorem 3.8) and costs the draft's forwards plus one
+verification over ``g + 1`` tokens; a round without drafting is a plain target step that emits one
+token. Drafting pays while ``tau * t_step > t_draft + t_verify``. Where the draft seldom agrees with
+the target (a language its head barely holds, a kind of text it never saw), the speculative decoder
+would otherwise run slower than the target alone.
+
+The pacer estimates each term from what the decoder sees in the call being decoded: ``a`` per
+sequence from its accepted counts (decayed, so that it follows the text), and the three times as
+moving averages of the round loop's own clock laps. A paused sequence proposes nothing (budget 0):
+its round verifies ``[x_n]`` alone and emits the target's token, which is exact for greedy and
+sampled decoding alike (there is no draft token to accept or reject). Every ``probe_every`` paused
+rounds it drafts one round again, so a sequence whose text turns predictable resumes. The drafter
+reads the tokens of the paused rounds when it next drafts, as it reads x_n in any round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens a chain round of ``gamma`` proposals emits at per-position acceptance ``alpha``."""
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+@dataclass
+class Average:
+    """An exponential moving average; None until the first sample."""
+
+    weight: float = 0.3  # of the newest sample
+    value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
+
+
+@dataclass
+class Pacer:
+    """Which sequences of one decoding call draft in the next round.
+
+    gamma: draft tokens per drafting round. warm_rounds: drafting rounds a sequence takes before it
+    may be paused (its acceptance is a guess before). probe_every: paused rounds between two
+    drafting rounds of a paused sequence. decay: the weight a round's counts keep per later
+    drafting round of the same sequence. margin: before a plain step has been timed, how clearly
+    drafting must pay (with the step taken as costly as a verification) to go on without timing one.
+    """
+
+    gamma: int
+    batch_size: int
+    warm_rounds: int = 3
+    probe_every: int = 8
+    decay: float = 0.7
+    margin: float = 1.5
+    accepted: list[float] = field(init=False)  # decayed accepted draft tokens, per sequence
+    rejected: list[float] = field(init=False)  # decayed rejections, per sequence
+    drafted_rounds: list[int] = field(init=False)
+    paused_for: list[int] = field(init=False)  # paused rounds in a row, per sequence
+    draft_s: Average = field(default_factory=Average)  # seconds of drafting, per drafting round
+    verify_s: Average = field(default_factory=Average)  # seconds of a verification with drafts
+    step_s: Average = field(default_factory=Average)  # seconds of a verification of [x_n] alone
+
+    def __post_init__(self) -> None:
+        self.accepted = [0.0] * self.batch_size
+        self.rejected = [0.0] * self.batch_size
+        self.drafted_rounds = [0] * self.batch_size
+        self.paused_for = [0] * self.batch_size
+
+    def alpha(self, seq: int) -> float:
+        """The per-position acceptance sequence ``seq`` has seen: accepted / (accepted + rejections)."""
+        seen = self.accepted[seq] + self.rejected[seq]
+        return self.accepted[seq] / seen if seen else 1.0
+
+    def drafting_pays(self, seq: int) -> bool:
+        """Whether a drafting round is expected to emit tokens faster than a plain step, for ``seq``."""
+        if self.drafted_rounds[seq] < self.warm_rounds:
+            return True
+        if self.draft_s.value is None or self.verify_s.value is None:
+            return True
+        drafting = self.draft_s.value + self.verify_s.value
+        tokens = expected_tokens(self.alpha(seq), self.gamma)
+        if self.step_s.value is None:
+            # No plain step timed yet. A step costs at most a verification over more tokens, so with
+            # t_step = t_verify drafting looks its best: a sequence it clearly pays for even then
+            # drafts on; any other takes a plain round, which times the step it is compared with.
+            return tokens * self.verify_s.value > self.margin * drafting
+        return tokens * self.step_s.value > drafting
+
+    def drafts(self, live: list[int]) -> list[bool]:
+        """For each sequence of ``live`` (one per batch row), whether it drafts in the next round."""
+        decisions = []
+        for seq in live:
+            drafts = self.drafting_pays(seq) or self.paused_for[seq] >= self.probe_every
+            self.paused_for[seq] = 0 if drafts else self.paused_for[seq] + 1
+            decisions.append(drafts)
+        return decisions
+
+    def record(
+        self, live: list[int], proposed: torch.Tensor, accepted: torch.Tensor, draft_s: float, verify_s: float
+    ) -> None:
+        """What a round did: tokens proposed and accepted per row (B,), and its draft and verification seconds."""
+        if int(proposed.sum()) == 0:
+            self.step_s.add(verify_s)
+            return
+        self.draft_s.add(draft_s)
+        self.verify_s.add(verify_s)
+        for seq, offered, kept in zip(live, proposed.tolist(), accepted.tolist(), strict=True):
+            if offered == 0:
+                continue
+            self.drafted_rounds[seq] += 1
+            self.accepted[seq] = self.decay * self.accepted[seq] + kept
+            self.rejected[seq] = self.decay * self.rejected[seq] + (1 if kept < offered else 0)

@@ -1,0 +1,131 @@
+"""Pacing: a sequence stops drafting where drafting does not pay, tries again now and then, and the
+output stays the target's for every kind of draft."""
+
+import itertools
+import random
+import time
+
+import pytest
+import torch
+
+from draftsmith.distill.drafts import KINDS
+from draftsmith.distill.drafts.kind import DraftSettings
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.pacing import Pacer, expected_tokens
+from draftsmith.specdec.sampling import SamplingParams
+from tests.helpers import assert_fits, noisy_copy, sample_spec, tiny_llama, tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [[0, 5, 9, 4], [0, 7], [0, 3, 3, 8, 2, 6, 11, 2]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_llama(vocab=32, layers=4, sharpness=8.0)
+    model.name_or_path = "tests/tiny-llama"
+    return model
+
+
+class TickClock:
+    """``time.perf_counter`` advancing one tick per read: every lap of the decoder's clock is one tick,
+    so a drafting round costs two (draft, verify) and a plain round one, whatever the machine does."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def timed_pacer(gamma: int, draft: float, verify: float, step: float | None, alpha_counts=(0.0, 0.0)) -> Pacer:
+    pacer = Pacer(gamma, batch_size=1)
+    pacer.draft_s.add(draft)
+    pacer.verify_s.add(verify)
+    if step is not None:
+        pacer.step_s.add(step)
+    pacer.accepted[0], pacer.rejected[0] = alpha_counts
+    pacer.drafted_rounds[0] = pacer.warm_rounds
+    return pacer
+
+
+def test_drafting_pays_when_expected_tokens_outrun_its_cost():
+    # gamma 4: alpha 0.5 gives 1.9375 tokens a round; the round costs 0.4 + 1.2 = 1.6 steps of 1.0.
+    assert expected_tokens(0.5, 4) == pytest.approx(1.9375)
+    assert timed_pacer(4, 0.4, 1.2, 1.0, (1.0, 1.0)).drafting_pays(0)
+    # alpha 0.25 gives 1.332 tokens for the same 1.6 steps: a plain step is faster.
+    assert not timed_pacer(4, 0.4, 1.2, 1.0, (1.0, 3.0)).drafting_pays(0)
+    # Before a plain step is timed, the step is taken as costly as a verification (1.2): alpha 0.5
+    # would pay 1.9375 * 1.2 = 2.325 against 1.6, but not by the margin (1.5 * 1.6 = 2.4), so the next
+    # round is a plain one that times the step; alpha 1 (5 * 1.2 = 6.0) drafts on without it.
+    assert not timed_pacer(4, 0.4, 1.2, None, (1.0, 1.0)).drafting_pays(0)
+    assert timed_pacer(4, 0.4, 1.2, None, (4.0, 0.0)).drafting_pays(0)
+    # A sequence that has not drafted its warm-up rounds drafts whatever the times say.
+    fresh = Pacer(4, batch_size=1)
+    assert fresh.drafting_pays(0) and fresh.alpha(0) == 1.0
+
+
+def test_a_paused_sequence_probes_again_and_acceptance_is_decayed_counts():
+    pacer = timed_pacer(2, 1.0, 1.0, 1.0, (0.0, 3.0))
+    pacer.probe_every = 3
+    assert [pacer.drafts([0])[0] for _ in range(8)] == [False, False, False, True, False, False, False, True]
+    pacer.record([0], torch.tensor([2]), torch.tensor([2]), draft_s=1.0, verify_s=1.0)
+    # counts decay by 0.7 per drafting round: accepted 0 * 0.7 + 2, rejected 3 * 0.7 + 0
+    assert pacer.alpha(0) == pytest.approx(2 / (2 + 2.1))
+    pacer.record([0], torch.tensor([0]), torch.tensor([0]), draft_s=0.0, verify_s=0.5)
+    assert pacer.step_s.value == pytest.approx(0.7 * 1.0 + 0.3 * 0.5)  # a plain round times the step
+
+
+def decode(target, draft, prompts, gamma, pace, **sampling):
+    options = DecodeOptions(gamma=gamma, pace=pace, sampling=SamplingParams(**sampling))
+    return speculative_generate(target, draft, prompts, 24, options, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_draft_that_never_agrees_is_paused_and_a_perfect_one_never(target, monkeypatch):
+    monkeypatch.setattr(time, "perf_counter", TickClock())
+    expected = target_generate(target, PROMPTS, 24)[0]
+    bad = noisy_copy(target, 3.0)
+    out, stats = decode(target, bad, PROMPTS, gamma=3, pace=True)
+    assert out == expected
+    unpaced = decode(target, bad, PROMPTS, gamma=3, pace=False)[1]
+    assert stats.paused > 0 and unpaced.paused == 0
+    assert stats.proposed < unpaced.proposed and stats.draft_forwards < unpaced.draft_forwards
+    out, stats = decode(target, target, PROMPTS, gamma=3, pace=True)
+    assert out == expected and stats.paused == 0
+    assert stats.accepted == stats.proposed  # a draft equal to the target: every round emits gamma + 1
+
+
+def every_kind(target) -> dict[str, torch.nn.Module]:
+    """An untrained draft of each registered kind for the tiny target, built by the kind itself."""
+    options = {"eagle3": {"aux_layers": [1, 2, 3]}, "parallel": {"mask_token_id": 31}}
+    drafts = {}
+    for name, kind in KINDS.items():
+        torch.manual_seed(0)
+        settings = DraftSettings(kind=name, layers="1", options=options.get(name, {}))
+        drafts[name] = kind.build(settings, target, tiny_tokenizer(32), target.device).eval()
+    return drafts
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_every_kind_stays_greedy_identical_through_paused_rounds(target, monkeypatch, gamma):
+    # Pause every other round after the first, whatever the figures: a drafter must catch up on the
+    # tokens of paused rounds (and a draft sharing the target's cache must not miss them).
+    schedule = itertools.cycle([True, False, True, True, False, False, True])
+    monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: next(schedule))
+    for name, draft in every_kind(target).items():
+        for prompt in PROMPTS:  # one at a time: a draft sharing the target's cache decodes batch 1
+            out, stats = decode(target, draft, [prompt], gamma=gamma, pace=True)
+            assert out == target_generate(target, [prompt], 24)[0], name
+            assert stats.paused > 0, name
+
+
+def test_paused_sampling_is_distributed_as_the_target(target, monkeypatch):
+    # Each sequence of the batch pauses at random rounds: ragged budgets, some rows verifying x_n alone.
+    coin = random.Random(0)
+    monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: coin.random() < 0.5)
+    params = SamplingParams(temperature=1.0)
+    first, second, stats = sample_spec(target, noisy_copy(target, 0.8), params, gamma=3, pace=True)
+    assert stats.paused > 1000 and stats.proposed > 1000
+    assert_fits(target, params, first, second)
