@@ -382,6 +382,7 @@ def teacher(
         folder,
         cfg.teacher_top_k,
         cfg.batch_size,
+        shard_size=min(256, -(-len(covered) // accelerator.num_processes)),  # a shard or more per process
         pad_id=pad,
         progress=accelerator.is_main_process,
         layers=layers,

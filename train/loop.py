@@ -139,8 +139,8 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
 
     run.bar.close()
     run.accelerator.wait_for_everyone()
+    write_train_summary(run)  # a collective: before end_training ends the process group
     run.accelerator.end_training()
-    write_train_summary(run)
     summarize(run)
     draft = run.accelerator.unwrap_model(run.draft)
     return Result(run.run_dir, run.step, run.last_metrics, draft, run.target, run.tokenizer)

@@ -1,4 +1,5 @@
-"""Two CPU processes (gloo) under torchrun: ranks stay identical and match one process with the same global batch."""
+"""Two CPU processes (gloo) under torchrun: ranks stay identical and match one process with the same global
+batch, for the standalone LM and for every registered kind, with the live teacher and from the feature store."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftsmith.distill.drafts import KINDS
 from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
 
@@ -19,6 +21,65 @@ COMMON = ["max_steps=4", "save_steps=4", "log_steps=2", "grad_accum=1"]
 
 def read_losses(run):
     return [json.loads(line)["loss"] for line in (run / "losses.jsonl").read_text().splitlines()]
+
+
+def two_ranks(tmp_path: Path, two: Path, *items: str) -> None:
+    """Train the tiny config with ``items`` in two gloo processes; each saves its draft's parameters into ``two``."""
+    two.mkdir()
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",  # a free port, chosen by the rendezvous
+        "--nproc_per_node=2",
+        "--redirects=3",  # each rank's output to its own file under --log-dir
+        f"--log-dir={tmp_path / 'logs'}",
+        str(ROOT / "tests" / "train" / "ddp_worker.py"),
+        str(two),
+        *items,
+    ]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    rank_logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").rglob("*.log")))
+    assert result.returncode == 0, rank_logs or result.stderr[-3000:]
+
+
+# What each kind needs on the tiny target, and no random choice in its training forward (a draw would
+# differ between one process running two micro-batches and two processes running one each): all of a
+# parallel draft's chains kept, every DFlash anchor taken. A kind registered later trains as it comes.
+KIND_ITEMS = {
+    "eagle3": ["train_draft_vocab=30"],
+    "parallel": ['kind_options={"mask_token_id": 2, "k": 3, "cod_ratio": 1.0, "cod_min": 1.0}'],
+    "dflash": ["draft_layers=1", 'kind_options={"mask_token_id": 2, "block_size": 4, "max_anchors": 1000}'],
+}
+STORE = ["teacher_cache=true", "teacher_top_k=103", "teacher_cache_dtype=float32"]  # the whole tiny vocabulary
+
+
+@pytest.mark.parametrize("teacher", ["live", "store"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_kind_in_two_processes_matches_one(tmp_path, monkeypatch, kind, teacher):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # the store the two processes build, read by one
+    items = [f"draft_kind={kind}", *KIND_ITEMS.get(kind, []), "batch_size=4", "max_steps=2", "save_steps=2"]
+    items += ["log_steps=2", *(STORE if teacher == "store" else [])]
+    two = tmp_path / "two"
+    two_ranks(tmp_path, two, f"output_dir={two / 'run'}", *items, "grad_accum=1")
+    rank0, rank1 = load_file(two / "rank-0.safetensors"), load_file(two / "rank-1.safetensors")
+    assert rank0.keys() == rank1.keys()
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+    one = train(
+        load_config(DistillConfig, config_path("tiny"), [f"output_dir={tmp_path / 'one'}", *items, "grad_accum=2"])
+    )
+    assert read_losses(two / "run") == pytest.approx(read_losses(one.run_dir), rel=1e-4)
+    single = one.draft.state_dict()
+    for name in rank0:
+        torch.testing.assert_close(rank0[name], single[name], rtol=1e-4, atol=1e-5)
+    summaries = [json.loads((run / "train_summary.json").read_text()) for run in (two / "run", one.run_dir)]
+    # live: a target forward per micro-batch, 2 steps x 2 (processes or accumulated micro-batches)
+    assert [s["teacher_forwards"] for s in summaries] == ([4, 4] if teacher == "live" else [0, 0])
+    if teacher == "store":  # the two processes built it, each its own shard; the one process read it
+        store = Path(summaries[0]["store"])
+        assert summaries[1]["store"] == str(store) and len(json.loads((store / "meta.json").read_text())["files"]) == 2
 
 
 # 0: the full head; 40: the head cut to 40 of the tiny target's 103 tokens in training, which must
