@@ -99,7 +99,7 @@ def test_a_draft_that_never_agrees_is_paused_and_a_perfect_one_never(target, mon
 
 def every_kind(target) -> dict[str, torch.nn.Module]:
     """An untrained draft of each registered kind for the tiny target, built by the kind itself."""
-    options = {"eagle3": {"aux_layers": [1, 2, 3]}, "parallel": {"mask_token_id": 31}}
+    options = {"eagle3": {"aux_layers": [1, 2, 3]}, "parallel": {"mask_token_id": 31}, "dflash": {"mask_token_id": 31}}
     drafts = {}
     for name, kind in KINDS.items():
         torch.manual_seed(0)
