@@ -274,18 +274,27 @@ def save(
     entries: list[tuple[torch.Tensor, torch.Tensor]],
     top_k: int,
     shard_size: int = 256,
+    hidden: list[dict[int, torch.Tensor]] | None = None,
+    hidden_dtype: torch.dtype = torch.bfloat16,
+    made_by: dict | None = None,
 ) -> Path:
     """Write ``entries`` computed elsewhere (e.g. a serving engine's prompt log-probs), one per example:
-    (indices (N, k), log-probs (N, k)) at its N loss positions, as ``build`` writes them."""
+    (indices (N, k), log-probs (N, k)) at its N loss positions, as ``build`` writes them; ``hidden``:
+    per example {layer: (L, H)} its hidden states (a vLLM server's), stored in ``hidden_dtype``.
+    made_by: what ``meta.json`` says of how it was made (``build``'s fields)."""
     by_digest = {example_digest(e): entry for e, entry in zip(examples, entries, strict=True)}
+    states = {example_digest(e): h for e, h in zip(examples, hidden, strict=True)} if hidden else {}
+    layers = sorted(next(iter(states.values()))) if states else []
     digests = unique_examples(examples)[0]
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = (len(digests) + shard_size - 1) // shard_size
     tokens = 0
     for shard in range(n_shards):
         chunk = digests[shard * shard_size : (shard + 1) * shard_size]
-        tokens += write_shard(folder, shard, chunk, [by_digest[d][0] for d in chunk], [by_digest[d][1] for d in chunk])
-    write_meta(folder, len(digests), tokens, top_k, n_shards)
+        chunk_hidden = {layer: [states[d][layer] for d in chunk] for layer in layers}
+        ids, logps = [by_digest[d][0] for d in chunk], [by_digest[d][1] for d in chunk]
+        tokens += write_shard(folder, shard, chunk, ids, logps, chunk_hidden, hidden_dtype)
+    write_meta(folder, len(digests), tokens, top_k, n_shards, made_by)
     return folder
 
 

@@ -202,6 +202,8 @@ class ServeOptions:
     max_logprobs: most log-probs per position a request may ask for (default: vLLM's).
     seed: the engine's seed.
     startup_timeout: seconds the server has to answer ``/health``.
+    tensor_parallel_size, data_parallel_size: GPUs the model is split over, and copies of it serving.
+    kv_transfer: vLLM's ``--kv-transfer-config`` (e.g. the connector that writes hidden states to disk).
     """
 
     dtype: str | None = "auto"
@@ -216,6 +218,27 @@ class ServeOptions:
     max_logprobs: int | None = None
     seed: int = 0
     startup_timeout: float = 900.0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    kv_transfer: dict | None = None
+
+
+def hidden_states_plan(layers: list[int], storage: Path) -> tuple[dict, dict]:
+    """(speculative config, kv-transfer config) of a server that writes, for every request, the hidden
+    states entering target ``layers`` at each prompt position into ``storage`` (a safetensors file per
+    request: ``hidden_states`` (L, len(layers), H) and ``token_ids`` (L,)): vLLM's
+    ``extract_hidden_states`` method with its ``ExampleHiddenStatesConnector``. vLLM numbers an aux
+    layer as the residual entering it, as ``teacher_layers`` does (``output_hidden_states[i]``)."""
+    speculative = {
+        "method": "extract_hidden_states",
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": sorted(layers)}},
+    }
+    kv_transfer = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+    return speculative, kv_transfer
 
 
 def server_arguments(
@@ -257,6 +280,12 @@ def server_arguments(
         args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
     if options.memory_fraction is not None:
         args += ["--gpu-memory-utilization", str(options.memory_fraction)]
+    if options.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(options.tensor_parallel_size)]
+    if options.data_parallel_size > 1:
+        args += ["--data-parallel-size", str(options.data_parallel_size)]
+    if options.kv_transfer is not None:
+        args += ["--kv-transfer-config", json.dumps(options.kv_transfer)]
     if speculative is not None:
         config = {**speculative, "num_speculative_tokens": gamma}
         args += ["--speculative-config", json.dumps(config)]
@@ -391,7 +420,7 @@ def server_plan(
     device_type = resolve_device(options.device).type
     dtype_name = str(resolve_dtype(options.dtype, resolve_device(device_type))).removeprefix("torch.")
     model_path = resolve_model(model)
-    if speculative is not None:
+    if speculative is not None and "model" in speculative:  # extract_hidden_states names no draft model
         speculative = {**speculative, "model": resolve_model(speculative["model"])}
     port = free_port() if options.port is None else check_port_free(options.port)
     env = server_environment(engine, device_type, options.threads, options.kv_cache_gib)
@@ -399,7 +428,7 @@ def server_plan(
     args = server_arguments(model_path, port, dtype_name, options, speculative, gamma, whole_prefills)
     settings = {
         "model": model_path,
-        "draft": speculative["model"] if speculative is not None else None,
+        "draft": speculative.get("model") if speculative is not None else None,
         "gamma": gamma if speculative is not None else None,
         "dtype": dtype_name,
         "device": device_type,

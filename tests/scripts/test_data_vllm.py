@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from draftsmith.cli import main
 from draftsmith.distill.dataset_builder import load_built, read_self_prompts, shard_paths, training_examples
 from draftsmith.distill.dataset_cache import dataset_entries
+from draftsmith.distill.engines import read_hidden_states
+from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
 from draftsmith.specdec.prompts import encode_chat
-from draftsmith.specdec.vllm_server import HOST, ServeOptions, serve
+from draftsmith.specdec.vllm_server import HOST, ServeOptions, hidden_states_plan, serve, server_arguments
 from tests.scripts.test_data_cli import KILLED_RUN
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
@@ -200,3 +203,54 @@ def test_the_command_starts_its_own_server_and_stops_it(engine, tmp_path):
     with pytest.raises(ConnectionRefusedError):  # the server is gone (its port may linger in TIME_WAIT)
         socket.create_connection((HOST, started["port"]), timeout=5).close()
     assert manifest["counts"]["rows"] == 2
+
+
+# ---- the target's hidden states through vLLM's extract_hidden_states ------------------------------
+
+
+def test_the_hidden_states_server_is_started_with_the_method_the_connector_and_the_parallel_sizes(tmp_path):
+    speculative, kv_transfer = hidden_states_plan([15, 2, 27], tmp_path / "states")
+    options = ServeOptions(tensor_parallel_size=8, data_parallel_size=2, kv_transfer=kv_transfer)
+    args = server_arguments("/models/t", 8000, "bfloat16", options, speculative, gamma=1)
+    flag = {name: args[i + 1] for i, name in enumerate(args) if name.startswith("--") and i + 1 < len(args)}
+    assert (flag["--tensor-parallel-size"], flag["--data-parallel-size"]) == ("8", "2")
+    assert json.loads(flag["--speculative-config"]) == {
+        "method": "extract_hidden_states",
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}},
+        "num_speculative_tokens": 1,  # the method proposes exactly one
+    }
+    assert json.loads(flag["--kv-transfer-config"]) == {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "states")},
+    }
+    plain = server_arguments("/models/t", 8000, "bfloat16", ServeOptions(), None)
+    assert not {"--tensor-parallel-size", "--data-parallel-size", "--kv-transfer-config"} & set(plain)
+
+
+def test_the_connector_files_are_read_back_per_example_by_their_token_ids(tmp_path):
+    storage = tmp_path / "states"
+    storage.mkdir()
+    examples = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [9, 8], "loss_mask": [0, 1]}]
+    written = {}
+    for request, example in zip(["cmpl-b", "cmpl-a"], examples, strict=True):  # the request ids, not the order
+        states = torch.randn(len(example["input_ids"]), 3, 4)  # (L, aux layers, H), as the connector writes
+        save_file(
+            {"hidden_states": states, "token_ids": torch.tensor(example["input_ids"])},
+            storage / f"{request}.safetensors",
+        )
+        (storage / f"{request}.safetensors.lock").touch()  # released: the write is whole
+        written[tuple(example["input_ids"])] = states
+    found = read_hidden_states(storage, examples[::-1], [27, 2, 15])
+    for example, states in zip(examples[::-1], found, strict=True):
+        expected = written[tuple(example["input_ids"])]
+        assert sorted(states) == [2, 15, 27]
+        for i, layer in enumerate([2, 15, 27]):  # the server's aux layers in sorted order
+            assert torch.equal(states[layer], expected[:, i])
+    with pytest.raises(DraftsmithError, match="wrote no hidden states for 1 of 2 rows"):
+        read_hidden_states(storage, [examples[0], {"input_ids": [1], "loss_mask": [1]}], [2, 15, 27])
+    with pytest.raises(
+        DraftsmithError,
+        match=r"cmpl-a.safetensors: hidden_states of shape \(2, 3, 4\) for 2 tokens and layers \[2, 15\]",
+    ):
+        read_hidden_states(storage, examples, [2, 15])
