@@ -389,18 +389,22 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    spec: str, device: torch.device, dtype: torch.dtype, device_map: str | dict | None = None
+    spec: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
 ) -> PreTrainedModel:
     """Load a causal LM for inference (eval mode, no grad) on ``device``.
 
     device_map: place the layers across devices instead (``"auto"``: over the visible GPUs), for a
-    target too large for one device.
+    target too large for one device; max_memory: {GPU index: bytes}, the devices ``auto`` may use.
     """
     source = resolve_model(spec)
     if Path(source).is_dir():
         check_model_files(Path(source))
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map, max_memory=max_memory)
     except (OSError, ValueError) as err:
         raise DraftsmithError(
             f"could not load model {spec!r}: {err}. Pass a model folder, a .gguf file, a reachable hub id, "

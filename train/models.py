@@ -6,6 +6,7 @@ Evaluation and publishing load a run's target from here too (``load_target``), w
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill.drafts import kind_named
 from draftsmith.distill.tiny import tiny_target
+from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import load_model, load_tokenizer, resolve_dtype
 from draftsmith.train.config import DistillConfig, draft_settings, load_run_config
 
@@ -27,8 +29,49 @@ def load_target(
         target = target.to(device=device, dtype=dtype)
     else:
         tokenizer = load_tokenizer(cfg.target)
-        target = load_model(cfg.target, device, dtype, device_map=cfg.teacher_device_map)
+        placement = teacher_placement(cfg.teacher_device_map, *launcher_ranks(), gpu_memory())
+        target = load_model(cfg.target, device, dtype, placement.device_map, placement.max_memory)
     return target.requires_grad_(False).eval(), tokenizer
+
+
+@dataclass(frozen=True)
+class TeacherPlacement:
+    """How the frozen target is loaded: transformers' ``device_map`` and ``max_memory`` ({GPU: bytes})."""
+
+    device_map: str | None
+    max_memory: dict[int, int] | None = None
+
+
+def teacher_placement(
+    device_map: str | None, local_rank: int, local_processes: int, gpu_memory: list[int], share: float = 0.9
+) -> TeacherPlacement:
+    """Where this process's copy of the teacher goes. ``auto`` under N processes on a machine: only onto
+    this process's own GPUs, local ranks r, r + N, r + 2N, ... of the visible ones (so its own
+    ``cuda:r``, where accelerate puts its draft, is among them), each up to ``share`` of its memory;
+    without that every process would spread its copy over all the GPUs. gpu_memory: each visible
+    GPU's total bytes."""
+    if device_map != "auto" or local_processes == 1:
+        return TeacherPlacement(device_map)
+    if len(gpu_memory) < local_processes or len(gpu_memory) % local_processes:
+        raise DraftsmithError(
+            f"teacher_device_map: auto under {local_processes} processes needs a multiple of {local_processes} "
+            f"visible GPUs (each process's copy on its own share), found {len(gpu_memory)}; launch "
+            "--num_processes to divide them, or use the feature store (teacher_cache: true)"
+        )
+    own = range(local_rank, len(gpu_memory), local_processes)
+    return TeacherPlacement("auto", {gpu: int(gpu_memory[gpu] * share) for gpu in own})
+
+
+def launcher_ranks() -> tuple[int, int]:
+    """(local rank, processes on this machine) as ``accelerate launch`` / ``torchrun`` set them."""
+    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def gpu_memory() -> list[int]:
+    """Each visible CUDA device's total memory in bytes ([] without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
 
 
 @dataclass
