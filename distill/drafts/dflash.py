@@ -475,7 +475,7 @@ class DFlashKind(KindBase):
             order = torch.empty_like(teacher_rows)
             order[teacher_rows] = torch.arange(len(teacher_rows), device=order.device)
             return Predictions(logits.index_select(0, order))
-        weights = torch.exp(-(k - 1).to(logits.dtype) / model.decay)
+        weights = torch.exp(-(k - 1).float() / model.decay)
         return Predictions(logits, teacher_rows, weights)
 
     def save(self, draft: DFlashDraft, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
