@@ -52,7 +52,7 @@ def draft_option_args() -> argparse.ArgumentParser:
 
 
 def parse_draft_options(pairs: list[str]) -> dict[str, object]:
-    """``["kv_reuse=false"]`` -> ``{"kv_reuse": False}``: values read as YAML scalars (true, 3, 0.5, text)."""
+    """``["share=false", "k=3"]`` -> ``{"share": False, "k": 3}``: values read as YAML scalars (true, 3, 0.5, text)."""
     options = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.checks import check_eval_options
-from draftsmith.distill.drafts import DraftKind, kind_of_folder, kind_of_model, load_draft, named_draft
+from draftsmith.distill.drafts import KINDS, DraftKind, kind_of_folder, kind_of_model, load_draft, named_draft
 from draftsmith.draft_options import draft_option_args, parse_draft_options
 from draftsmith.engine_eval import check_engine_eval_options, engine_eval_options, engine_report, show_engine_report
 from draftsmith.options import GAMMA, device_options, draft_vocab_option, progress_option, prompt_options
@@ -70,9 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft",
         required=True,
-        help="draft model folder / .gguf / hub id, 'self' (the target drafts for itself), or "
-        "'truncate:N' / 'truncate:0,1,28' (the target's first N or listed layers, untrained), or another "
-        "untrained draft a kind names (early_exit:K, parallel:LAYERS:MASK_ID)",
+        help="draft model folder / .gguf / hub id, or an untrained draft a kind names: "
+        + "; ".join(kind.spec_help for kind in KINDS.values() if kind.spec_help),
     )
     p.add_argument(
         "--gamma",

@@ -198,3 +198,20 @@ def assert_fits(target, params, *per_prompt) -> None:
     """Every position and pair of every prompt fits the target (z < 4)."""
     scores = sampled_fit(target, params, per_prompt)
     assert max(scores.values()) < 4, scores
+
+
+def check_card_usage(folder, kind, gamma: int) -> str:
+    """The published ``folder``'s model card names ``kind`` and its vLLM snippet is the kind's
+    ``engine_config`` for the folder with ``gamma`` speculative tokens (parsed as the literal it is);
+    a transformers snippet appears only for a kind transformers runs as an assistant. Returns the text."""
+    import ast
+    from pathlib import Path
+
+    text = (Path(folder) / "README.md").read_text()
+    assert f"A `{kind.name}` draft for speculative decoding" in text
+    (line,) = [x for x in text.splitlines() if x.startswith("llm = LLM(")]
+    config = ast.literal_eval(line.split("speculative_config=", 1)[1].removesuffix(")"))
+    assert config == {**kind.engine_config(Path(folder).resolve()), "num_speculative_tokens": gamma}
+    assert f"method `{config['method']}`" in text
+    assert ("assistant_model=draft" in text) == kind.standalone
+    return text

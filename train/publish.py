@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from draftsmith.distill.drafts import Serving, kind_of_folder
+from draftsmith.distill.drafts import DraftKind, Serving, kind_of_folder
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.decoder import speculative_generate
 from draftsmith.specdec.errors import DraftsmithError
@@ -27,7 +27,7 @@ from draftsmith.specdec.loading import check_compatible, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.train import checkpoint
-from draftsmith.train.config import RUN_CONFIG, DistillConfig
+from draftsmith.train.config import RUN_CONFIG, DistillConfig, draft_settings
 from draftsmith.train.models import RunModels
 from draftsmith.train.speedup import BEST, REPORT
 
@@ -101,7 +101,7 @@ def publish(
             # The head cut the measurement used: eval on the published folder drafts with it too.
             ranking = draft_vocab.load_ranking(run_dir, measured["draft_vocab"])
             draft_vocab.save_ranking(tmp, ranking)
-        card = model_card(cfg, ckpt, run_dir, draft_ref=repo_id or str(out.resolve()), license=license)
+        card = model_card(cfg, ckpt, run_dir, kind, tmp, draft_ref=repo_id or str(out.resolve()), license=license)
         card.save(tmp / "README.md")
         # The written folder must draft exactly like the checkpoint: the same tokens accepted.
         prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in CHECK_PROMPTS]
@@ -222,9 +222,12 @@ def is_hub_id(name: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
 
 
-def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path, draft_ref: str, license: str | None) -> ModelCard:
-    """The model card (README.md): hub metadata with the measured results as ``eval_results``, how the
-    draft was made, and usage that runs as written (gamma comes from the draft's generation config)."""
+def model_card(
+    cfg: DistillConfig, ckpt: Path, run_dir: Path, kind: DraftKind, folder: Path, draft_ref: str, license: str | None
+) -> ModelCard:
+    """The model card (README.md): hub metadata with the measured results as ``eval_results``, what the
+    draft is and how it was made, and usage that runs as written; the kind describes the draft exported
+    into ``folder`` and gives the usage of each engine that runs it (``DraftKind.card_usage``)."""
     target = HUB_IDS.get(cfg.target, cfg.target)
     report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else None
     results = (report or {}).get("results", {}).get(ckpt.name, {})
@@ -242,9 +245,10 @@ def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path, draft_ref: str, li
     lines = [
         f"# Draft model for {target}",
         "",
-        f"A draft for speculative decoding with `{target}` as the target{made_of}, distilled with draftsmith "
-        f"(loss `{cfg.loss}`, data `{cfg.data}`, draft `{cfg.draft_init}`{_layers(cfg)}, {steps} steps). "
-        "Speculative decoding keeps the target's output unchanged; the draft only makes it faster.",
+        f"A `{kind.name}` draft for speculative decoding with `{target}` as the target{made_of}: "
+        f"{kind.card_description(draft_settings(cfg), folder)}. Distilled with draftsmith (loss `{cfg.loss}`, "
+        f"data `{cfg.data}`, {steps} steps). Speculative decoding keeps the target's output unchanged; the draft "
+        "only makes it faster.",
         "",
         "## Measured speedup",
         "",
@@ -254,7 +258,7 @@ def model_card(cfg: DistillConfig, ckpt: Path, run_dir: Path, draft_ref: str, li
     else:
         lines.append("Not measured yet: run `draftsmith eval-run` on the training run before publishing.")
     gamma = next(iter(results.values()))["best_gamma"] if results else GAMMA
-    text = "\n".join(lines + _usage(target, draft_ref, gamma))
+    text = "\n".join(lines + kind.card_usage(target, draft_ref, gamma))
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}")
 
 
@@ -293,15 +297,6 @@ def _eval_results(report: dict, results: dict) -> list[EvalResult]:
     return out
 
 
-def _layers(cfg: DistillConfig) -> str:
-    """Which of the target's layers a truncated draft kept, as the card says it."""
-    if cfg.draft_init != "truncate":
-        return ""
-    if str(cfg.draft_layers).strip().isdigit():
-        return f" of the target's first {cfg.draft_layers} layers"
-    return f" of the target's layers {cfg.draft_layers}"
-
-
 def _measured(report: dict, results: dict) -> list[str]:
     """The card's table of what eval-run measured for this checkpoint, one row per temperature."""
     dtype = f" in {report['dtype']}" if report.get("dtype") else ""
@@ -336,36 +331,6 @@ def _measured(report: dict, results: dict) -> list[str]:
             "transformers and vLLM draft the chain.",
         ]
     return lines
-
-
-def _usage(target: str, draft_ref: str, gamma: int) -> list[str]:
-    """How transformers and vLLM use the draft; transformers reads gamma from its generation config."""
-    return [
-        "",
-        "## Usage",
-        "",
-        f"transformers (assisted generation; `generation_config.json` sets {gamma} draft tokens per round, "
-        "the constant schedule and no confidence cut):",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'target = AutoModelForCausalLM.from_pretrained("{target}")',
-        f'draft = AutoModelForCausalLM.from_pretrained("{draft_ref}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
-        'inputs = tokenizer("Why is the sky blue?", return_tensors="pt")',
-        "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)",
-        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
-        "```",
-        "",
-        "vLLM (draft-model speculative decoding):",
-        "",
-        "```python",
-        "from vllm import LLM",
-        f'llm = LLM(model="{target}", speculative_config={{"model": "{draft_ref}", '
-        f'"num_speculative_tokens": {gamma}}})',
-        "```",
-        "",
-    ]
 
 
 def push(folder: Path, repo_id: str, private: bool) -> None:

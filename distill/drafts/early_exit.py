@@ -336,6 +336,7 @@ class EarlyExitKind(KindBase):
 
     name = "early_exit"
     model_class = EarlyExitDraft
+    spec_help = "'early_exit:K' (the target's first K layers and an untrained exit head)"
     option_types = {"adapter": bool}
     decode_options = {
         KV_REUSE: DecodeOption(

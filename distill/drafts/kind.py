@@ -345,15 +345,17 @@ class KindBase:
 
     Class attributes: ``name``; ``model_class``: the class of its draft objects (``owns``);
     ``option_types``: its ``kind_options`` and their types (``check``); ``decode_options``: the
-    decode options it takes; ``standalone``: its folder is a causal LM transformers loads as an
-    assistant (the card then shows transformers' usage); ``cuts_head``. The first of ``files()``
-    marks a folder of this kind (``recognises``).
+    decode options it takes; ``spec_help``: the drafts it names on the command line;
+    ``standalone``: its folder is a causal LM transformers loads as an assistant (the card then
+    shows transformers' usage); ``cuts_head``. The first of ``files()`` marks a folder of this
+    kind (``recognises``).
     """
 
     name: str = ""
     model_class: type | tuple[type, ...] = ()
     option_types: Mapping[str, type] = {}
     decode_options: Mapping[str, DecodeOption] = {}
+    spec_help: str = ""  # the drafts ``from_spec`` names, for ``--help`` ("" for none)
     standalone: bool = False
     cuts_head: bool = False
 

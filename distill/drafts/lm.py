@@ -154,6 +154,9 @@ class LMKind(KindBase):
 
     name = "lm"
     model_class = (PreTrainedModel, PeftModel)
+    spec_help = (
+        "'self' (the target drafts for itself), 'truncate:N' / 'truncate:0,1,28' (the target's first N / listed layers)"
+    )
     standalone = True
     cuts_head = True
 

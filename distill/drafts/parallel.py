@@ -579,6 +579,7 @@ class ParallelKind(KindBase):
 
     name = "parallel"
     model_class = ParallelDraft
+    spec_help = "'parallel:LAYERS:MASK_ID' (the target truncated to LAYERS, drafting with that mask id)"
     option_types = OPTIONS
     standalone = True
     # It trains with a cut head (train_draft_vocab) and decodes with the cut its folder carries

@@ -260,6 +260,12 @@ CASES = [
     ("eval_run_engine_threads_alone", [*EVAL_RUN, "--engine-threads", "2"], "--engine-threads applies to --engine"),
     ("eval_run_engine_batch_without_vllm", [*EVAL_RUN, "--engine-batch-sizes", "1"], "applies to --engine vllm"),
     ("eval_run_option_given_twice", [*EVAL_RUN, "--limit", "1", "--limit", "2"], "--limit is given twice"),
+    (
+        "eval_run_draft_option_of_another_kind",
+        [*EVAL_RUN, "--draft-option", "kv_reuse=false"],
+        "--draft-option kv_reuse: not a decode option of lm drafts (theirs: none)",
+    ),
+    ("eval_run_draft_option_without_value", [*EVAL_RUN, "--draft-option", "kv_reuse"], "takes KEY=VALUE"),
     ("eval_run_not_a_run", ["eval-run", "{folder}"], "a-folder is not a distillation run folder"),
     # draftsmith publish
     ("publish_private_without_push", ["publish", "{ckpt}", "--out", "{root}/x", "--private"], "add --push-to-hub"),

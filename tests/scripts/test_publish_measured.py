@@ -10,6 +10,7 @@ from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
 from draftsmith.cli import main
+from draftsmith.distill import drafts
 from draftsmith.specdec.loading import resolve_dtype
 from draftsmith.specdec.measure.hf_compare import AssistedRounds, hf_generate
 from draftsmith.specdec.sampling import SamplingParams
@@ -17,6 +18,7 @@ from draftsmith.train.config import DistillConfig, load_config, load_run_config
 from draftsmith.train.loop import train
 from draftsmith.train.models import load_target
 from draftsmith.train.publish import is_hub_id
+from tests.helpers import check_card_usage
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -99,6 +101,8 @@ def test_model_card_carries_the_measured_results_as_metadata(published):
     assert f'AutoModelForCausalLM.from_pretrained("{draft_dir.resolve()}")' in card.text
     assert "target.generate(**inputs, assistant_model=draft, max_new_tokens=128)" in card.text
     assert "num_assistant_tokens=" not in card.text
+    text = check_card_usage(draft_dir, drafts.KINDS["lm"], best["best_gamma"])
+    assert "the target truncated to its first 1 layers" in text  # configs/tiny.yaml's draft
 
 
 def test_published_folder_has_normal_permissions(published):

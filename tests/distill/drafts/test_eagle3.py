@@ -43,6 +43,7 @@ from draftsmith.specdec.vllm_server import ServeOptions, group_alive, serve
 from tests.helpers import (
     SAMPLING_PROMPTS,
     assert_fits,
+    check_card_usage,
     fit_scores,
     sample_spec,
     sampled_fit,
@@ -406,6 +407,8 @@ def test_the_kind_trains_checkpoints_ranks_and_publishes(tmp_path):
     best = json.loads((run / "best.json").read_text())
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == best["best_gamma"]
     assert KIND.engine_config(out) == {"method": "eagle3", "model": str(out)}
+    text = check_card_usage(out, KIND, best["best_gamma"])  # vLLM only: transformers cannot run the head
+    assert "EAGLE-3 head" in text and "draft_init" not in text
 
 
 # ---- the speculators layout ---------------------------------------------------------------------
