@@ -100,6 +100,11 @@ class DistillConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 5
     max_steps: int = 100
+    # a budget of training minutes: after its first steps the run plans how many steps fit (at most
+    # max_steps) from the step time it measured, and decays its schedule to that step (train.budget);
+    # None: max_steps steps
+    max_minutes: float | None = None
+    budget_checkpoints: int = 3  # with max_minutes: checkpoints spread over the planned steps (save_steps unused)
     batch_size: int = 8  # sequences per process per micro-batch
     grad_accum: int = 1
     # > 0: length-bucketed batches: the epoch's shuffled order is cut into windows of this many batches,
@@ -151,6 +156,12 @@ class DistillConfig:
             (self.data in ("text", "target"), "data must be text or target"),
             (self.loss in LOSSES, f"loss must be one of {', '.join(LOSSES)}"),
             (self.max_steps >= 1, "max_steps must be >= 1"),
+            (
+                self.max_minutes is None
+                or (isinstance(self.max_minutes, (int, float)) and 0 < self.max_minutes < float("inf")),
+                f"max_minutes must be a number of minutes > 0 (or null for max_steps alone), got {self.max_minutes!r}",
+            ),
+            (self.budget_checkpoints >= 1, "budget_checkpoints must be >= 1"),
             (self.save_steps >= 1, "save_steps must be >= 1"),
             (self.keep_last >= 1, "keep_last must be >= 1"),
             (self.log_steps >= 1, "log_steps must be >= 1"),

@@ -42,7 +42,7 @@ from draftsmith.specdec.loading import eos_token_ids, resolve_device
 from draftsmith.specdec.measure.costs import measure_cost_ratio
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.prompts import read_prompts
-from draftsmith.train import checkpoint, cpu_setup, speedup
+from draftsmith.train import budget, checkpoint, cpu_setup, speedup
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, save_config
 from draftsmith.train.examples import Teacher, TeacherRows, build_examples, generation, loaders, teacher
 from draftsmith.train.models import build_models, in_dtype_of, mixed_precision
@@ -82,6 +82,7 @@ class Run:
     mixer: OnPolicyMixer | None = None  # on-policy data, when on_policy_fraction > 0
     step: int = 0  # optimizer steps done
     bar: tqdm | None = None
+    plan: budget.Plan | None = None  # a budget of minutes, once planned (``max_minutes``)
     last_metrics: dict = dataclasses.field(default_factory=dict)  # the latest held-out record
     window_loss: float = 0.0  # summed step losses since the last held-out record
     window_tokens: int = 0
@@ -119,7 +120,8 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
     """
     run = setup(cfg)
     steps_per_epoch = max(1, len(run.loader) // cfg.grad_accum)
-    while run.step < cfg.max_steps and run.step != stop_at_step:
+    step_seconds: list[float] = []  # this process's steps, for a budget's plan
+    while run.step < run.cfg.max_steps and run.step != stop_at_step:
         epoch, done_in_epoch = divmod(run.step, steps_per_epoch)
         # The same data order as an uninterrupted run: reseed the sampler per epoch, skip what was done.
         run.loader.set_epoch(epoch)
@@ -131,10 +133,15 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
             micro = [next(batches) for _ in range(cfg.grad_accum)]
             began = time.perf_counter()
             loss, tokens = train_step(run, micro)
-            run.train_seconds += time.perf_counter() - began
+            step_seconds.append(time.perf_counter() - began)
+            run.train_seconds += step_seconds[-1]
             run.trained_tokens += tokens
+            if cfg.max_minutes is not None and run.plan is None:
+                plan = budget.timed_plan(cfg, run.step, step_seconds)
+                if plan is not None:
+                    follow_plan(run, plan, record=True)
             on_step_end(run, loss, tokens)
-            if run.step >= cfg.max_steps or run.step == stop_at_step:
+            if run.step >= run.cfg.max_steps or run.step == stop_at_step:
                 break
 
     run.bar.close()
@@ -195,13 +202,52 @@ def setup(cfg: DistillConfig) -> Run:
         resume(run, *resume_from)
     else:
         start(run)
-    run.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="distill", disable=not accelerator.is_main_process)
+    plan = budget.load_plan(run_dir) if cfg.max_minutes is not None and resume_from is not None else None
+    if plan is not None:  # a resumed run trains the steps it planned, whatever this machine's speed
+        follow_plan(run, plan, record=False)
+    if cfg.max_minutes is None:
+        run.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="distill", disable=not accelerator.is_main_process)
+    else:  # a budget counts minutes of training steps
+        run.bar = tqdm(
+            total=cfg.max_minutes,
+            desc="distill",
+            unit="min",
+            bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]",
+            disable=not accelerator.is_main_process,
+        )
+        show_minutes(run)
     if cfg.report_to != "none":
         scalars = {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers("distill", config=scalars)
     run.window_start = run.started = time.perf_counter()
     run.start_step = run.step
     return run
+
+
+def follow_plan(run: Run, plan: budget.Plan, record: bool) -> None:
+    """Train the steps a budget's ``plan`` fits: the run's max_steps, checkpoint and log intervals
+    become the plan's, and the learning-rate schedule decays to its last step from here on
+    (``record``: a new plan, written into the run folder and announced)."""
+    run.plan = plan
+    run.cfg = dataclasses.replace(run.cfg, **plan.settings())
+    scheduler = get_cosine_schedule_with_warmup(
+        run.optimizer.optimizer, run.cfg.warmup_steps, plan.max_steps, last_epoch=run.step - 1
+    )
+    run.scheduler.scheduler = scheduler  # inside accelerate's wrapper, which checkpoints save
+    if record and run.accelerator.is_main_process:
+        budget.save_plan(run.run_dir, plan)
+        print0(
+            run.accelerator,
+            f"budget {plan.minutes:g} min at {plan.step_seconds:.2f} s a step: {plan.max_steps} steps "
+            f"(checkpoints every {plan.save_steps})",
+        )
+
+
+def show_minutes(run: Run) -> None:
+    """A budget's progress bar: training minutes so far (steps at the plan's pace once it is made)."""
+    minutes = run.step * run.plan.step_seconds / 60 if run.plan is not None else run.train_seconds / 60
+    run.bar.n = min(minutes, run.cfg.max_minutes)
+    run.bar.refresh()
 
 
 def make_accelerator(cfg: DistillConfig, device: torch.device) -> Accelerator:
@@ -395,7 +441,10 @@ def on_step_end(run: Run, loss: float, tokens: int) -> None:
     cfg, step = run.cfg, run.step
     run.window_loss += loss
     run.window_tokens += tokens
-    run.bar.update(1)
+    if cfg.max_minutes is None:
+        run.bar.update(1)
+    else:
+        show_minutes(run)
     run.bar.set_postfix(loss=f"{loss:.4f}")
     if run.accelerator.is_main_process:
         log(run.run_dir / "losses.jsonl", {"step": step, "loss": loss})
