@@ -12,7 +12,7 @@ from draftsmith.checks import check_eval_options
 from draftsmith.distill.drafts import KINDS, DraftKind, kind_of_folder, kind_of_model, load_draft, named_draft
 from draftsmith.draft_options import draft_option_args, parse_draft_options
 from draftsmith.engine_eval import check_engine_eval_options, engine_eval_options, engine_report, show_engine_report
-from draftsmith.options import GAMMA, device_options, draft_vocab_option, progress_option, prompt_options
+from draftsmith.options import GAMMA, device_options, draft_vocab_option, pace_option, progress_option, prompt_options
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import CACHE_KINDS
 from draftsmith.specdec.errors import DraftsmithError
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             device_options(),
             draft_vocab_option(default=None),
             progress_option(),
+            pace_option(),
             draft_option_args(),
             engine_eval_options(),
         ],
@@ -186,6 +187,7 @@ def decode_options(args: argparse.Namespace) -> DecodeOptions:
         cache_kind=args.cache,
         draft_options=parse_draft_options(args.draft_option),
         tree=TreeShape.parse(args.tree) if args.tree is not None else None,
+        pace=args.pace and args.tree is None,
         compile=args.compile,
     )
     if options.tree is not None and args.batch_size != 1:

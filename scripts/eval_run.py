@@ -6,11 +6,14 @@ import argparse
 from pathlib import Path
 
 from draftsmith.checks import check_measure_options, run_vocab_size
+from draftsmith.distill.drafts import kind_named
+from draftsmith.draft_options import draft_option_args, parse_draft_options
 from draftsmith.engine_eval import ENGINE_REPORT, check_engine_eval_options, engine_eval_options, engine_run_report
 from draftsmith.options import (
     device_options,
     draft_vocab_option,
     gammas_option,
+    pace_option,
     parse_list,
     progress_option,
     prompt_options,
@@ -42,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
             device_options(),
             draft_vocab_option(None),
             progress_option(),
+            pace_option(),
+            draft_option_args(),
             engine_eval_options(),
         ],
     )
@@ -67,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_batch_sizes = check_engine_eval_options(args, {})
     run_dir = Path(args.run_dir)
     cfg = load_run_config(run_dir)
+    draft_options = parse_draft_options(args.draft_option)
+    kind_named(cfg.draft_kind).check_decode_options(draft_options)  # the run's kind, before anything loads
     check_writable(run_dir, f"the run folder {run_dir} (the reports go there)", folder=True)
     gammas = check_measure_options(args, run_vocab_size(cfg))
     temperatures = parse_list(args.temperatures, float, "temperatures")
@@ -86,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         dtype=args.dtype,
         draft_vocab_size=args.draft_vocab,
+        pace=args.pace,
+        draft_options=draft_options,
         progress=not args.no_progress,
     )
     report = evaluate_run(run_dir, settings)

@@ -69,6 +69,20 @@ def draft_vocab_option(default: int | None = 0) -> argparse.ArgumentParser:
     return p
 
 
+def pace_option() -> argparse.ArgumentParser:
+    """--pace / --no-pace: pause drafting for a sequence while drafting does not pay for it."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--pace",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stop drafting for a sequence while drafting does not pay for it (its acceptance so far against "
+        "the measured cost of the draft and the verification), drafting one round again now and then; the "
+        "output is the target's either way (default: on; --no-pace drafts every round)",
+    )
+    return p
+
+
 def progress_option() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -86,7 +100,7 @@ def parse_list(text: str, kind, name: str) -> list:
     return values
 
 
-REPEATABLE = ("--trees",)  # options that add to a list each time they are given
+REPEATABLE = ("--trees", "--draft-option")  # options that add to a list each time they are given
 
 
 def refuse_repeated(argv: list[str]) -> None:

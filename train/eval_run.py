@@ -45,6 +45,9 @@ class RunEvalSettings:
     device, dtype: where and in what the pair runs (None: the default of the device).
     draft_vocab_size: decode with the draft's head cut to the N tokens most frequent in the training
         answers (0: the full head); None: the cut the run trained with (its ``train_draft_vocab``).
+    pace: the measurement at the best gamma pauses drafting for a sequence where it does not pay
+        (``DecodeOptions.pace``), as draftsmith's decoder does by default.
+    draft_options: the draft kind's decode options (``DecodeOptions.draft_options``), checked by the kind.
     progress: show progress bars.
     """
 
@@ -59,6 +62,8 @@ class RunEvalSettings:
     device: str | None = None
     dtype: str | None = None
     draft_vocab_size: int | None = None
+    pace: bool = True
+    draft_options: dict = field(default_factory=dict)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -87,6 +92,7 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
     eos = eos_token_ids(target, tokenizer)
     ranking = draft_vocab.load_ranking(run_dir, draft_vocab_size) if draft_vocab_size else None
     report = start_report(run_dir, cfg, settings, dtype, draft_vocab_size)
+    options = DecodeOptions(pace=settings.pace, draft_options=settings.draft_options)
     measure = MeasureSettings(
         read_prompts(settings.prompts_file)[: settings.limit],
         max_new_tokens=settings.max_new_tokens,
@@ -94,6 +100,7 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
         seed=cfg.seed,
         repeats=settings.repeats,
         progress=settings.progress,
+        options=options,
     )
     for name, step, folder in drafts:
         for temp in settings.temperatures:
@@ -127,6 +134,7 @@ def start_report(
         "draft_vocab": draft_vocab_size,
         "trees": [t.text for t in settings.trees],
         "repeats": settings.repeats,
+        "pace": settings.pace,
     }
     report = speedup.load_report(run_dir)
     changed = any(report.get(k) != v for k, v in measured_under.items())
@@ -145,7 +153,8 @@ def start_report(
 
 def at_temperature(settings: MeasureSettings, temperature: float) -> MeasureSettings:
     """``settings`` with sampling at ``temperature`` (the settings object measures greedily)."""
-    return dataclasses.replace(settings, options=DecodeOptions(sampling=SamplingParams(temperature)))
+    options = dataclasses.replace(settings.options, sampling=SamplingParams(temperature))
+    return dataclasses.replace(settings, options=options)
 
 
 def check_measured(result: dict, name: str, max_new_tokens: int) -> None:

@@ -129,6 +129,9 @@ def test_eval_run_times_the_target_beside_every_draft(run_dir, monkeypatch, nati
         for r in by_temp.values():
             assert r["speedup_spread"]["min"] <= r["speedup"] <= r["speedup_spread"]["max"]
             assert r["measured_cost_ratio"]["cost_ratio_c"] == r["at_base_gamma"]["cost_ratio_c"]
+            # The base gamma's run drafts every round (what theory predicts from); the best gamma's is
+            # paced as a user's decoding is, and says how many sequence rounds it did not draft.
+            assert r["at_base_gamma"]["paused_share"] == 0.0 and 0.0 <= r["paused_share"] < 1.0
             rates.add(r["target_tokens_per_s"])
     assert len(rates) == 6  # each draft and temperature timed its own target runs
     greedy = {name: r["0.0"] for name, r in report["results"].items()}
