@@ -107,6 +107,16 @@ def find_store(
     return folder
 
 
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DATASET_TARGET = "dataset"  # the target_key of a store a dataset folder carries (the folder names its target)
+
+
+def dataset_store(dataset: Path, content: str, top_k: int, layers: Sequence[int]) -> Path:
+    """Where a ``draftsmith data`` folder keeps the feature store of its rows (``content``: their digest);
+    the trainer finds it with ``find_store`` beside any other there."""
+    return dataset / "feature-store" / f"k{top_k}-layers-{'-'.join(map(str, sorted(layers)))}-{content}"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -11,7 +11,9 @@ rows; change a setting that decides what a row holds (the engine included) and i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import datasets
 from accelerate import PartialState
 
+from draftsmith.distill import teacher_cache
 from draftsmith.distill.dataset_builder import (
     BuildSettings,
     ProcessGroup,
@@ -26,12 +29,14 @@ from draftsmith.distill.dataset_builder import (
     build_dataset,
     check_settings,
     sampling_settings,
+    training_examples,
 )
 from draftsmith.distill.dataset_cache import build_dataset_cache, engine_cache_writer, target_cache_writer
-from draftsmith.distill.engines import BundledEngine, GenerationEngine, VllmEngine, Writer
+from draftsmith.distill.engines import BundledEngine, GenerationEngine, VllmEngine, Writer, vllm_features
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, source_settings
 from draftsmith.distill.self_prompts import TOPICS, SelfPromptSettings
+from draftsmith.distill.teacher_cache import unique_examples
 from draftsmith.options import check_engine_options, check_sampling, engine_options
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
@@ -48,7 +53,14 @@ from draftsmith.specdec.loading import (
 )
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.vllm_client import served_model
-from draftsmith.specdec.vllm_server import ServeOptions, check_engine_importable, connect, find_engine, serve
+from draftsmith.specdec.vllm_server import (
+    ServeOptions,
+    check_engine_importable,
+    connect,
+    find_engine,
+    hidden_states_plan,
+    serve,
+)
 
 EPILOG = f"""prompt sources (--prompts):
   self       the target writes user messages itself (--num-prompts of them; --topics to steer the mix)
@@ -133,6 +145,19 @@ def parser() -> argparse.ArgumentParser:
         "its --max-logprobs); distill uses it when its teacher dtype is the one recorded. Rows added later are "
         "cached when the step runs again with the option (default: none)",
     )
+    p.add_argument(
+        "--hidden-layers",
+        default=None,
+        metavar="I,J,...",
+        help="with --teacher-cache K: also write a feature store (feature-store/ in the folder) holding the target's "
+        "hidden states entering these layers at every position, for kinds that read them (EAGLE-3's aux layers; "
+        "the layer count itself: its output), so `distill dataset=FOLDER teacher_cache=true` runs no target. "
+        "--engine vllm computes them with vLLM's extract_hidden_states method (default: none)",
+    )
+    p.add_argument("--max-length", type=int, default=256, help="--hidden-layers: rows cut as distill cuts them")
+    p.add_argument("--store-dtype", default="bfloat16", help="--hidden-layers: storage dtype (default: bfloat16)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine vllm: GPUs per model copy")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="--engine vllm: model copies serving")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
     p.add_argument(
         "--dtype",
@@ -184,7 +209,13 @@ def generation_engine(
         server = connect(args.engine_url)
         yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
         return
-    options = ServeOptions(
+    with serve(args.target, serve_options(args, device, dtype)) as server:
+        yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
+
+
+def serve_options(args: argparse.Namespace, device, dtype) -> ServeOptions:
+    """How --engine vllm starts its server of the target."""
+    return ServeOptions(
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         threads=args.engine_threads,
@@ -193,9 +224,9 @@ def generation_engine(
         prefix_caching=True,
         max_logprobs=args.teacher_cache,  # None: vLLM's default
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
-    with serve(args.target, options) as server:
-        yield VllmEngine(server, served_model(server)["max_model_len"], args.batch_size), eos
 
 
 def cache_writer(args: argparse.Namespace, engine: GenerationEngine, tokenizer) -> Callable[[list[dict], Path], None]:
@@ -252,10 +283,64 @@ def check_options(args: argparse.Namespace) -> None:
                 f"--teacher-cache must be 1 to the target's vocabulary ({vocab or 'its size'}), "
                 f"got {args.teacher_cache}"
             )
+    if args.hidden_layers is not None:
+        if args.teacher_cache is None:
+            raise DraftsmithError("--hidden-layers needs --teacher-cache K (the store holds both)")
+        hidden_layers(args)
+        if args.store_dtype not in teacher_cache.STORAGE_DTYPES:
+            raise DraftsmithError(
+                f"--store-dtype must be one of {', '.join(teacher_cache.STORAGE_DTYPES)}, got {args.store_dtype}"
+            )
     check_engine_options(args)
     check_writable(Path(args.output), f"--output {args.output}", folder=True)
     if args.engine == "vllm" and args.engine_url is None:
         check_engine_importable(find_engine())
+
+
+def hidden_layers(args: argparse.Namespace) -> list[int]:
+    """--hidden-layers as layer indices (0: the embeddings; the layer count: the normed output)."""
+    try:
+        return sorted({int(part) for part in args.hidden_layers.split(",")})
+    except ValueError as err:
+        raise DraftsmithError(f"--hidden-layers takes layer numbers like 2,15,27, got {args.hidden_layers!r}") from err
+
+
+def feature_store(
+    args: argparse.Namespace, engine: GenerationEngine, options: ServeOptions, dtype: str, output: Path, group
+) -> Path:
+    """The folder's feature store (``teacher_cache``'s format, ``teacher_cache.dataset_store``): the top-K
+    and the hidden states of --hidden-layers for its rows cut at --max-length, by the engine that wrote
+    them: draftsmith's target (each process its own shards) or a vLLM server started with
+    extract_hidden_states (``vllm_server.hidden_states_plan``)."""
+    examples = training_examples(output, args.max_length)
+    layers, store_dtype = hidden_layers(args), teacher_cache.STORAGE_DTYPES[args.store_dtype]
+    made_by = {"target": args.target, "target_key": teacher_cache.DATASET_TARGET, "dtype": dtype}
+    made_by |= {"top_k": args.teacher_cache, "content": teacher_cache.content_digest(unique_examples(examples)[0])}
+    folder = teacher_cache.dataset_store(output, made_by["content"], args.teacher_cache, layers)
+    if (folder / "meta.json").is_file():
+        return folder
+    if engine.name == "draftsmith":
+        pad = engine.model.config.pad_token_id or 0
+        return teacher_cache.build(
+            engine.model, examples, folder, args.teacher_cache, args.batch_size, pad_id=pad,
+            progress=group.is_main and not args.no_progress, layers=layers, hidden_dtype=store_dtype,
+            part=(group.index, group.count), barrier=group.barrier, target_key=teacher_cache.DATASET_TARGET,
+        )  # fmt: skip
+    hidden_size = json.loads((Path(engine.server.settings["model"]) / "config.json").read_text())["hidden_size"]
+    teacher_cache.check_space(
+        folder, teacher_cache.store_bytes(examples, args.teacher_cache, layers, hidden_size, store_dtype)
+    )
+    made_by |= {"layers": layers, "hidden_dtype": args.store_dtype, "hidden_size": hidden_size}
+    storage = folder.parent / f"{folder.name}.vllm-states"
+    speculative, kv_transfer = hidden_states_plan(layers, storage)
+    options = dataclasses.replace(options, kv_transfer=kv_transfer, prefix_caching=False)
+    with serve(args.target, options, speculative=speculative, gamma=1) as server:
+        entries, hidden = vllm_features(server, examples, storage, args.teacher_cache, layers, args.batch_size)
+    teacher_cache.save(
+        folder, examples, entries, args.teacher_cache, hidden=hidden, hidden_dtype=store_dtype, made_by=made_by
+    )
+    shutil.rmtree(storage)
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             description = {"target": args.target, "dtype": settings.dtype, "computed_by": engine.name}
             writer = cache_writer(args, engine, tokenizer)
             manifest = build_dataset_cache(output, args.teacher_cache, writer, description, group)
+        if args.hidden_layers is not None:
+            store = feature_store(args, engine, serve_options(args, device, dtype), settings.dtype, output, group)
     if group.is_main:
         counts = manifest["counts"]
         print(
@@ -311,4 +398,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.teacher_cache is not None:
             cached = manifest["teacher_cache"][str(args.teacher_cache)]
             print(f"teacher cache: top {args.teacher_cache} at {cached['tokens']} answer positions, {cached['dtype']}")
+        if args.hidden_layers is not None:
+            print(f"feature store: {store} (layers {args.hidden_layers}, {args.store_dtype})")
     return 0

@@ -182,9 +182,6 @@ def loaders(cfg: DistillConfig, train_examples: list[dict], heldout: list[dict],
     return train_loader, held_loader
 
 
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
 @dataclass
 class TeacherSettings:
     """What the teacher gives at the loss rows: over ``head_ids`` (N,) or the full vocabulary (None), at
@@ -297,7 +294,7 @@ class FillingTeacher(Teacher):
         if self.reading is not None:
             return
         rank, processes = accelerator.process_index, accelerator.num_processes
-        dtype, layers = STORAGE_DTYPES[self.cfg.teacher_cache_dtype], self.settings.layers
+        dtype, layers = teacher_cache.STORAGE_DTYPES[self.cfg.teacher_cache_dtype], self.settings.layers
         self.store.mkdir(parents=True, exist_ok=True)
         if self.seen:
             digests = list(self.seen)
@@ -369,11 +366,18 @@ def teacher(
     entries = None if layers else dataset_teacher_entries(cfg, target, train_examples, accelerator)
     if entries is not None:
         return StoreTeacher(target, settings, train_examples, entries)
-    dtype = STORAGE_DTYPES[cfg.teacher_cache_dtype]
+    dtype = teacher_cache.STORAGE_DTYPES[cfg.teacher_cache_dtype]
     covered = train_examples if cfg.teacher_cache_fill == "first_epoch" else train_examples + heldout
     name = target_name(cfg)
     folder = teacher_cache.folder_for(name, target.dtype, covered, cfg.teacher_top_k, layers, dtype)
     folder = teacher_cache.find_store(folder, name, target.dtype, covered, cfg.teacher_top_k, layers, dtype)
+    built = dataset_builder.built_folder(cfg.dataset)
+    if built is not None and not (folder / "meta.json").is_file():  # one the dataset carries (draftsmith data)
+        carried = built / "feature-store" / "-"
+        carried = teacher_cache.find_store(
+            carried, teacher_cache.DATASET_TARGET, target.dtype, covered, cfg.teacher_top_k, layers, dtype
+        )
+        folder = carried if (carried / "meta.json").is_file() else folder
     if cfg.teacher_cache_fill == "first_epoch" and not (folder / "meta.json").is_file():
         return FillingTeacher(target, settings, folder, train_examples, cfg, pad)
     teacher_cache.build(

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.cli import main
+from draftsmith.distill.dataset_builder import training_examples
 from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
+from tests.helpers import tiny_llama, tiny_tokenizer
 
 EAGLE = {"draft_kind": "eagle3", "train_draft_vocab": 30, "save_steps": 3, "log_steps": 3}
 
@@ -63,3 +66,24 @@ def test_a_second_run_on_the_same_data_reads_the_bf16_store_and_the_hybrid_fills
     assert meta["examples"] == 48 and len(meta["files"]) == 1  # the training examples, one process's shard
     again = train(tiny_cfg(tmp_path / "again", **hybrid)).run_dir
     assert summary(again)["teacher_forwards"] == 0 and summary(again)["teacher"] == "store"
+
+
+def test_an_eagle3_run_reads_the_feature_store_the_data_step_wrote(tmp_path, home, capsys):
+    target = tmp_path / "target"  # 4 layers: the head reads the states entering layers 1, 2 and 3
+    tiny_llama(layers=4, sharpness=8.0).save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    data = tmp_path / "ds"
+    common = ["data", "--target", str(target), "--prompts", "builtin", "--max-samples", "10", "--temperature", "0"]
+    common += ["--max-new-tokens", "16", "--dtype", "float32", "--no-progress", "--output", str(data)]
+    assert main([*common, "--teacher-cache", "6", "--hidden-layers", "0,1,2,3,4", "--max-length", "24"]) == 0
+    assert "feature store: " in capsys.readouterr().out
+    (store,) = (data / "feature-store").iterdir()
+    meta = json.loads((store / "meta.json").read_text())
+    rows = {tuple(e["input_ids"]) for e in training_examples(data, 24)}  # the rows as distill cuts them
+    assert (meta["layers"], meta["hidden_dtype"], meta["target_key"]) == ([0, 1, 2, 3, 4], "bfloat16", "dataset")
+    assert meta["examples"] == len(rows) >= 8
+    items = [f"target={target}", f"dataset={data}", "heldout=2", "teacher_cache=true", "teacher_top_k=6"]
+    items += ["max_length=24", "batch_size=4", "draft_kind=eagle3", "max_steps=2", "save_steps=2", "log_steps=2"]
+    run = train(load_config(DistillConfig, config_path("tiny"), [f"output_dir={tmp_path / 'run'}", *items])).run_dir
+    assert summary(run)["teacher_forwards"] == 0 and summary(run)["store"] == str(store)
+    assert not (home / "teacher-cache").exists()  # the run built no store of its own
