@@ -75,6 +75,39 @@ timeout -s INT "$BENCHMARKS_S" "$PYTHON" benchmarks/real_shapes.py --device cuda
     --budget-s $((BENCHMARKS_S / 2)) 2>&1 | tee "$WORK/logs/real_shapes.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 
+echo "== every kind for a few bfloat16 steps on 2 GPUs, DDP and FSDP, live and from the feature store"
+if (( $("$PYTHON" -c "import torch; print(torch.cuda.device_count())") >= 2 )); then
+    for kind in $("$PYTHON" -c "from draftsmith.distill.drafts import KINDS; print(' '.join(KINDS))"); do
+        case $kind in
+            parallel) opts=('kind_options={"mask_token_id": 2, "k": 3}') ;;
+            dflash) opts=(draft_layers=1 'kind_options={"mask_token_id": 2, "block_size": 4}') ;;
+            *) opts=() ;;
+        esac
+        for launch in ddp fsdp; do
+            for cache in false true; do
+                run="$WORK/runs/$kind-$launch-cache-$cache"
+                timeout -s INT 600 "$PYTHON" -m accelerate.commands.launch --config_file "configs/accelerate/$launch.yaml" \
+                    --num_processes 2 -m draftsmith.cli distill --config tiny "output_dir=$run" "draft_kind=$kind" \
+                    "${opts[@]}" teacher_dtype=bfloat16 mixed_precision=bf16 max_steps=4 save_steps=4 log_steps=2 \
+                    "teacher_cache=$cache" 2>&1 | tee "$WORK/logs/kind-$kind-$launch-$cache.log"
+                [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+                cat "$run/train_summary.json" 2>/dev/null | tee -a "$WORK/logs/train_summaries.log"
+            done
+        done
+    done
+else
+    echo "fewer than 2 GPUs: skipped"
+fi
+
+echo "== the feature store built by vLLM (extract_hidden_states) beside the bundled target's"
+if "$PYTHON" -c "import draftsmith.specdec.vllm_server as v; v.check_engine_importable(v.find_engine())" 2>/dev/null; then
+    timeout -s INT 900 "$PYTHON" -m pytest -q -m vllm -p no:cacheprovider tests/scripts/test_data_vllm.py \
+        -k "feature_store" 2>&1 | tee "$WORK/logs/vllm_features.log"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+else
+    echo "no vLLM environment: skipped"
+fi
+
 if [[ -n ${OUT:-} ]]; then
     cp "$WORK"/logs/*.txt "$WORK"/logs/*.log "$OUT"/ 2>/dev/null
     cp benchmarks/results/real_shapes_cuda.json "$OUT"/ 2>/dev/null
