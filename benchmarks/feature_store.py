@@ -1,0 +1,64 @@
+"""EAGLE-3 training steps per second from the feature store vs the live target, side by side.
+
+The same config (default: configs/smollm2-135m-eagle3.yaml), the same data and the same number of
+steps each, interleaved (live, store, live, store, ...) so a machine that slows down slows both. The
+store is built once before the first store run (its build is not timed); each run's steps/s is its
+train_summary.json's (step time only, not evaluations or checkpoints), and teacher_forwards is
+recorded beside it. Writes benchmarks/results/feature_store.json.
+Run: .venv/bin/python benchmarks/feature_store.py [--steps 6 --repeats 2]
+Smoke: .venv/bin/python benchmarks/feature_store.py --config tiny --steps 2 --repeats 1 --name feature_store_smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from common import median, save
+
+from draftsmith.train.config import DistillConfig, config_path, load_config
+from draftsmith.train.loop import train
+
+
+def run(config: str, folder: Path, steps: int, cached: bool, extra: list[str]) -> dict:
+    """One training run of ``steps`` steps; its train_summary.json."""
+    items = [f"output_dir={folder}", f"max_steps={steps}", f"save_steps={steps}", f"log_steps={steps}"]
+    items += ["eval_speedup_steps=0", f"teacher_cache={str(cached).lower()}", *extra]
+    result = train(load_config(DistillConfig, config_path(config), items))
+    return json.loads((result.run_dir / "train_summary.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="smollm2-135m-eagle3")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--name", default="feature_store", help="results/NAME.json (default: feature_store)")
+    args = parser.parse_args()
+    extra = ["draft_kind=eagle3", "train_draft_vocab=30"] if args.config == "tiny" else []
+    records = {"live": [], "store": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        run(args.config, Path(tmp) / "build", 1, True, extra)  # builds the store, untimed
+        for repeat in range(args.repeats):
+            for source in ("live", "store"):
+                folder = Path(tmp) / f"{source}-{repeat}"
+                records[source].append(run(args.config, folder, args.steps, source == "store", extra))
+    live = median([r["steps_per_s"] for r in records["live"]])
+    stored = median([r["steps_per_s"] for r in records["store"]])
+    report = {
+        "config": args.config,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "live_steps_per_s": live,
+        "store_steps_per_s": stored,
+        "ratio": stored / live,
+        "runs": records,
+    }
+    save(args.name, report)
+    print(f"steps/s: live {live:.3f}, from the store {stored:.3f} ({stored / live:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
