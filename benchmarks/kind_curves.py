@@ -1,0 +1,197 @@
+"""Every registered drafter kind at the compute a user spends: each trained on the shipped data for a
+few wall-clock budgets, each snapshot measured on held-out prompts.
+
+Training: each kind's shipped config (``configs/smollm2-135m.yaml`` for the standalone LM,
+``configs/smollm2-135m-KIND.yaml`` for the others, ``_`` written ``-``) on ``dataset: smollm2-self``,
+with the config's own teacher settings (the kinds that read the target's features train from the
+feature store where their config says so). One run per kind is stepped until the first budget of
+training-step minutes has passed, snapshotted (held-out alpha logged, draft saved), stepped on to the
+next budget, and so on: the budgets are points on one run's curve, under the schedule of the
+config's ``max_steps`` (a run that reaches ``max_steps`` before a budget is snapshotted there). Set-up,
+a feature store's build, held-out evaluations and checkpoint writing are not counted in the budget;
+they are reported (``wall_s``). The machine's load is recorded around each run.
+
+Measured per snapshot, greedy, batch 1, on prompts never trained on (``distill/data/eval_prompts.jsonl``),
+with eval-run's own measurement (``train.speedup.measure_draft``: each figure side by side with the
+target alone): steps, tokens seen, held-out sum min(p, q) (the run's held-out alpha), the decoder's
+acceptance at each draft position (``acceptance_by_position`` at the base gamma), c, v, the best gamma
+and the measured speedup there (with the decoder's pacing, as a user decodes), the predicted speedup,
+and greedy identity. Written to ``benchmarks/results/kind_curves.json`` (``kind_curves_smoke.json``
+with ``--smoke``) with a PNG of alpha and speedup against minutes.
+
+The default budgets (5, 15, 45 minutes) are for a CPU with native bfloat16; on one without (AVX2,
+float32) pass smaller ones and the results say which were used.
+
+Run (sum of the largest budget over the kinds, plus measuring, on 2 cores):
+    .venv/bin/python benchmarks/kind_curves.py --budgets 5,15,45
+Smoke test on the tiny target (a few minutes):
+    .venv/bin/python benchmarks/kind_curves.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+from common import PROMPTS, save
+from kind_runs import decoding_draft
+
+from draftsmith.distill.drafts import KINDS
+from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
+from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.prompts import read_prompts
+from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.loop import log_heldout, setup, train_step
+from draftsmith.train.loop import save as save_checkpoint
+from draftsmith.train.models import load_target
+from draftsmith.train.speedup import measure_draft
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+RESULTS = Path(__file__).parent / "results"
+# --smoke: configs/tiny.yaml as each kind, with the options a kind cannot do without there
+SMOKE_OVERRIDES = {
+    "lm": [],
+    "early_exit": ["draft_layers=2"],
+    "eagle3": ["train_draft_vocab=30"],
+    "parallel": ["kind_options={mask_token_id: 2, k: 4}"],
+    "dflash": ["kind_options={mask_token_id: 2, block_size: 4}"],
+}
+
+
+def kind_config(kind: str, smoke: bool) -> tuple[Path, list[str]]:
+    """The shipped config a kind trains from, and the overrides that put it on the shipped data."""
+    if smoke:
+        return CONFIGS / "tiny.yaml", [f"draft_kind={kind}", *SMOKE_OVERRIDES.get(kind, [])]
+    name = "smollm2-135m.yaml" if kind == "lm" else f"smollm2-135m-{kind.replace('_', '-')}.yaml"
+    return CONFIGS / name, ["dataset=smollm2-self"]
+
+
+def train_snapshots(cfg: DistillConfig, budgets: list[float]):
+    """Step the run ``cfg`` describes; at each budget of training-step minutes (or at ``max_steps``)
+    log its held-out alpha, save its draft and yield (budget, figures of the run so far, draft folder)."""
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    run = setup(cfg)
+    spent, tokens, epoch, pending = 0.0, 0, 0, list(budgets)
+    while pending:
+        run.loader.set_epoch(epoch)
+        batches = iter(run.loader)
+        for _ in range(len(run.loader) // cfg.grad_accum):
+            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            start = time.perf_counter()
+            loss, step_tokens = train_step(run, micro)
+            spent += time.perf_counter() - start
+            tokens += step_tokens
+            run.window_loss, run.window_tokens = run.window_loss + loss, run.window_tokens + step_tokens
+            finished = run.step >= cfg.max_steps
+            while pending and (spent >= 60 * pending[0] or finished):
+                log_heldout(run)
+                save_checkpoint(run)
+                figures = {
+                    "steps": run.step,
+                    "tokens": tokens,
+                    "train_s": spent,
+                    "wall_s": time.perf_counter() - started,
+                    "heldout_sum_min_pq": run.last_metrics["acceptance_rate"],
+                    "load_average": [load_before, os.getloadavg()[0]],
+                }
+                yield pending.pop(0), figures, run.run_dir / f"checkpoint-{run.step}"
+            if not pending:
+                break
+        epoch += 1
+    run.bar.close()
+
+
+def measure_snapshot(target, tokenizer, folder: Path, args) -> dict:
+    """eval-run's measurement of one saved draft on the held-out prompts (greedy, batch 1, paced)."""
+    eos = eos_token_ids(target, tokenizer)
+    settings = MeasureSettings(
+        read_prompts(PROMPTS)[: args.prompts],
+        options=DecodeOptions(pace=True),
+        max_new_tokens=args.max_new_tokens,
+        eos_ids=eos,
+        repeats=args.repeats,
+        progress=False,
+    )
+    measured = measure_draft(target, decoding_draft(folder, target, eos), tokenizer, settings, args.gammas)
+    keys = ("cost_ratio_c", "verify_ratio_v", "speedup", "predicted_speedup", "greedy_match", "paused_share")
+    return {
+        "best_gamma": measured["best_gamma"],
+        **{k: measured[k] for k in keys},
+        "speedup_spread": measured["speedup_spread"],
+        "alpha_per_position": measured["at_base_gamma"]["acceptance_by_position"],
+        "base_gamma": measured["base_gamma"],
+        "speedup_at_base_gamma_unpaced": measured["at_base_gamma"]["speedup"],
+    }
+
+
+def plot(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_alpha, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for kind, points in curves.items():
+        minutes = [p["budget_minutes"] for p in points]
+        ax_alpha.plot(minutes, [p["alpha_per_position"][0] for p in points], marker="o", label=kind)
+        ax_speed.plot(minutes, [p["speedup"] for p in points], marker="o", label=kind)
+    ax_alpha.set(xlabel="training minutes", ylabel="greedy alpha at draft position 1", title="acceptance")
+    ax_speed.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax_speed.set(xlabel="training minutes", ylabel="measured speedup (best gamma)", title="speedup, side by side")
+    for ax in (ax_alpha, ax_speed):
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budgets", default="5,15,45", help="training minutes of the snapshots (comma-separated)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="registered kinds to train (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("runs/kind_curves"))
+    parser.add_argument("--gammas", type=lambda s: [int(g) for g in s.split(",")], default=[1, 2, 3, 4])
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts of the speedup measurement")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="the tiny target, a few seconds of training each")
+    args = parser.parse_args()
+    budgets = sorted(float(b) for b in args.budgets.split(","))
+    if args.smoke:
+        budgets, args.prompts, args.max_new_tokens, args.repeats, args.gammas = [0.02, 0.05], 2, 16, 1, [1, 2]
+    if args.out.exists():
+        parser.error(f"{args.out} exists (an earlier run's drafts): remove it, or pass another --out")
+    dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
+    curves, target = {}, None
+    for kind in args.kinds.split(","):
+        config, overrides = kind_config(kind, args.smoke)
+        cfg = load_config(DistillConfig, str(config), [*overrides, f"output_dir={args.out / kind}"])
+        print(f"{kind}: {config.name} {' '.join(overrides)}, snapshots at {budgets} training minutes")
+        curves[kind] = []
+        for budget, trained, folder in train_snapshots(cfg, budgets):
+            if target is None:
+                target, tokenizer = load_target(cfg, torch.device("cpu"), dtype)
+            point = {"budget_minutes": budget, **trained, **measure_snapshot(target, tokenizer, folder, args)}
+            curves[kind].append(point)
+            print(
+                f"  {budget:g} min: {point['steps']} steps, {point['tokens']} tokens, held-out sum min(p,q) "
+                f"{point['heldout_sum_min_pq']:.3f}, alpha by position "
+                f"{[None if a is None else round(a, 3) for a in point['alpha_per_position']]}, c "
+                f"{point['cost_ratio_c']:.3f}, gamma {point['best_gamma']}, speedup {point['speedup']:.2f}x "
+                f"(predicted {point['predicted_speedup']:.2f}x), greedy {point['greedy_match']}"
+            )
+    name = "kind_curves_smoke" if args.smoke else "kind_curves"
+    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"budgets": budgets}
+    save(name, {"settings": settings, "dtype": str(dtype).removeprefix("torch."), **curves})
+    plot(curves, RESULTS / f"{name}.png")
+    print(f"plot: {RESULTS / f'{name}.png'}")
+
+
+if __name__ == "__main__":
+    main()
