@@ -264,7 +264,7 @@ def test_the_vllm_feature_store_matches_the_bundled_targets_states(engine, tmp_p
     ExampleHiddenStatesConnector copies through pinned memory and a CUDA stream: on its CPU build the
     engine dies at the first request, and the test skips with that error (gpu_check.sh runs it on a GPU)."""
     tokenizer = load_tokenizer(DEFAULT_TARGET)
-    ids = encode_chat(tokenizer, "Why is the sky blue?")
+    ids = tokenizer("Why is the sky blue? Because air scatters blue light most.")["input_ids"]
     examples = [{"input_ids": ids, "loss_mask": [0] * (len(ids) - 5) + [1] * 4 + [0]}]
     layers, storage, log = [2, 15, 27], tmp_path / "states", tmp_path / "server.log"
     speculative, kv_transfer = hidden_states_plan(layers, storage)
