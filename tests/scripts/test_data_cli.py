@@ -48,7 +48,8 @@ def target(tmp_path_factory):
 
 
 def self_args(target, output, num_prompts, *extra):
-    return [
+    """The self-prompt command; an option in ``extra`` replaces its value here (an option is given once)."""
+    args = [
         "data",
         "--target",
         str(target),
@@ -72,8 +73,13 @@ def self_args(target, output, num_prompts, *extra):
         "--no-progress",
         "--output",
         str(output),
-        *extra,
     ]
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    return args
 
 
 def keys_and_answers(folder) -> dict:
