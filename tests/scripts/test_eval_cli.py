@@ -25,7 +25,10 @@ def prompts(tmp_path):
 
 
 def run_eval(pair, prompts, tmp_path, *extra, draft=None):
+    """``draftsmith eval`` on the pair, 16 new tokens and 2 repeats unless ``extra`` gives its own
+    (an option may be given once)."""
     out = tmp_path / "report.json"
+    defaults = [flag for flag in (("--max-new-tokens", "16"), ("--repeats", "2")) if flag[0] not in extra]
     code = main(
         [
             "eval",
@@ -35,10 +38,7 @@ def run_eval(pair, prompts, tmp_path, *extra, draft=None):
             draft or str(pair[1]),
             "--prompts",
             str(prompts),
-            "--max-new-tokens",
-            "16",
-            "--repeats",
-            "2",
+            *[item for flag in defaults for item in flag],
             "--json",
             str(out),
             "--no-progress",
@@ -109,7 +109,7 @@ def test_sampling_batched_all_turns(pair, prompts, tmp_path):
         (["--confidence-threshold", "1.5"], "confidence threshold must be in [0, 1], got 1.5"),
         (["--confidence-threshold", "5"], "confidence threshold must be in [0, 1], got 5"),
         (["--limit", "0"], "--limit must be >= 1"),
-        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--temperature", "1", "--top-p", "1.5"], "top-p must be in (0, 1]"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--max-new-tokens", "100000"], "exceeds the model's context of 256 tokens"),
