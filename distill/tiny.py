@@ -16,6 +16,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
+CONTEXT = 512  # tokens the tiny target attends over
+
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """One token per printable ASCII character, plus chat markers."""
@@ -49,7 +51,7 @@ def tiny_target(seed: int = 0, sharpness: float = 8.0, **overrides) -> tuple[Lla
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
+        "max_position_embeddings": CONTEXT,
         "tie_word_embeddings": False,
         "bos_token_id": 0,
         "eos_token_id": 1,

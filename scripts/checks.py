@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.distill import dataset_builder
+from draftsmith.distill.tiny import CONTEXT as TINY_CONTEXT
 from draftsmith.distill.tiny import char_tokenizer
 from draftsmith.options import check_sampling, parse_list
 from draftsmith.specdec.errors import DraftsmithError
@@ -54,6 +55,13 @@ def run_vocab_size(cfg: DistillConfig) -> int | None:
     return vocab_size(cfg.target)
 
 
+def run_context(cfg: DistillConfig) -> int | None:
+    """The context of a run's target, known without loading it (None when unknown)."""
+    if cfg.target == "tiny":
+        return cfg.tiny_target.get("max_position_embeddings", TINY_CONTEXT)
+    return context_length(cfg.target)
+
+
 def check_draft_vocab(size: int | None, vocab: int | None, default: int | None = None) -> int | None:
     """--draft-vocab N: at least 0 (0 = the full head), and fewer tokens than the model has; returns the N
     to use. A command's own default that the model is too small for means the full head, said in a note."""
@@ -76,13 +84,15 @@ def check_draft_vocab(size: int | None, vocab: int | None, default: int | None =
 
 
 def check_measure_options(
-    args: argparse.Namespace, vocab: int | None, default_draft_vocab: int | None = None
+    args: argparse.Namespace, vocab: int | None, default_draft_vocab: int | None = None, context: int | None = None
 ) -> list[int]:
-    """What ``eval-run`` and ``quickstart`` measure with: --gammas, --limit, --max-new-tokens, --prompts
-    (read now) and --draft-vocab (``args.draft_vocab`` set to the size to use); returns the gammas."""
+    """What ``eval-run`` and ``quickstart`` measure with: --gammas (each round within the target's
+    ``context``, when known), --limit, --max-new-tokens, --prompts (read now) and --draft-vocab
+    (``args.draft_vocab`` set to the size to use); returns the gammas."""
     gammas = parse_list(args.gammas, int, "gammas")
     if any(g < 1 for g in gammas):
         raise DraftsmithError(f"--gammas must all be >= 1, got {args.gammas}")
+    check_gamma_fits(max(gammas), args.max_new_tokens, context, option="--gammas")
     if args.limit is not None and args.limit < 1:
         raise DraftsmithError(f"--limit must be >= 1 (prompts to use; leave it out for all), got {args.limit}")
     if args.max_new_tokens < 1:
@@ -92,12 +102,12 @@ def check_measure_options(
     return gammas
 
 
-def check_gamma_fits(gamma: int | None, max_new_tokens: int, context: int | None) -> None:
+def check_gamma_fits(gamma: int | None, max_new_tokens: int, context: int | None, option: str = "--gamma") -> None:
     """A gamma whose round, with the answer, fits in the target's context (a huge one would allocate
     caches and masks for minutes before failing)."""
     if gamma is not None and context is not None and gamma + max_new_tokens >= context:
         raise DraftsmithError(
-            f"--gamma {gamma} with --max-new-tokens {max_new_tokens} does not fit the target's context ({context} "
+            f"{option} {gamma} with --max-new-tokens {max_new_tokens} does not fit the target's context ({context} "
             f"tokens); give a gamma below {max(context - max_new_tokens, 1)}"
         )
 

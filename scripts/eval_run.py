@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftsmith.checks import check_measure_options, run_vocab_size
+from draftsmith.checks import check_measure_options, run_context, run_vocab_size
 from draftsmith.distill.drafts import kind_named
 from draftsmith.draft_options import draft_option_args, parse_draft_options
 from draftsmith.engine_eval import ENGINE_REPORT, check_engine_eval_options, engine_eval_options, engine_run_report
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_options = parse_draft_options(args.draft_option)
     kind_named(cfg.draft_kind).check_decode_options(draft_options)  # the run's kind, before anything loads
     check_writable(run_dir, f"the run folder {run_dir} (the reports go there)", folder=True)
-    gammas = check_measure_options(args, run_vocab_size(cfg))
+    gammas = check_measure_options(args, run_vocab_size(cfg), context=run_context(cfg))
     temperatures = parse_list(args.temperatures, float, "temperatures")
     if any(t < 0 for t in temperatures):
         raise DraftsmithError(f"--temperatures must all be >= 0 (0 = greedy), got {args.temperatures}")

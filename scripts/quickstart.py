@@ -15,7 +15,8 @@ import json
 import math
 from pathlib import Path
 
-from draftsmith.checks import check_measure_options, check_run_inputs, run_vocab_size
+from draftsmith.checks import check_measure_options, check_run_inputs, run_context, run_vocab_size
+from draftsmith.distill.drafts import kind_named
 from draftsmith.options import draft_vocab_option, gammas_option, pace_option, prompt_options
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
@@ -109,9 +110,10 @@ def check_before_training(args: argparse.Namespace, cfg: DistillConfig, out: Pat
     the measuring options (the gammas are returned), and that ``out/draft`` may be replaced (it is
     new, empty, or a draft published there before, as ``publish --overwrite`` takes it)."""
     check_run_inputs(cfg)
+    kind_named(cfg.draft_kind).check_publishable()  # before training what could not be published
     draft_dir, run_dir = out / "draft", Path(cfg.output_dir)
     check_output_folder(draft_dir, {"its run": run_dir}, overwrite=True, name=f"--output-dir {out}: {draft_dir}")
-    gammas = check_measure_options(args, run_vocab_size(cfg), default_draft_vocab=DRAFT_VOCAB)
+    gammas = check_measure_options(args, run_vocab_size(cfg), default_draft_vocab=DRAFT_VOCAB, context=run_context(cfg))
     return gammas
 
 

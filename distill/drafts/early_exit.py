@@ -395,6 +395,12 @@ class EarlyExitKind(KindBase):
     def architecture(self, folder: Path) -> tuple[str, dict]:
         return "early-exit", json.loads((folder / META).read_text())
 
+    def check_publishable(self) -> None:
+        raise DraftsmithError(
+            "early-exit drafts share the target's layers and are not standalone models, so none is published: "
+            "train one with draftsmith distill draft_kind=early_exit and measure it with draftsmith eval-run"
+        )
+
     def check_export(self, folder: Path) -> None:
         raise DraftsmithError(
             f"{folder} is an early-exit draft: it shares the target's layers and is not a standalone model, so "

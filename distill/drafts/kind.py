@@ -190,6 +190,11 @@ class DraftKind(Protocol):
         """Whether the model object ``draft`` is of this kind."""
         ...
 
+    def check_publishable(self) -> None:
+        """Refuse, saying why, a kind none of whose drafts can be published (before a job that would
+        train and measure one to publish it, such as ``quickstart``)."""
+        ...
+
     def check_export(self, folder: Path) -> None:
         """Refuse, saying why, a saved draft that cannot be published (before anything loads)."""
         ...
@@ -400,6 +405,9 @@ class KindBase:
 
     def owns(self, draft: torch.nn.Module) -> bool:
         return isinstance(draft, self.model_class)
+
+    def check_publishable(self) -> None:
+        """The drafts of most kinds are published."""
 
     def check_export(self, folder: Path) -> None:
         """Any saved draft of the kind can be published."""

@@ -259,6 +259,7 @@ CASES = [
     ("eval_run_engine_batch_zero", [*EVAL_RUN, "--engine", "vllm", "--engine-batch-sizes", "0,1"], "must be >= 1"),
     ("eval_run_engine_threads_alone", [*EVAL_RUN, "--engine-threads", "2"], "--engine-threads applies to --engine"),
     ("eval_run_engine_batch_without_vllm", [*EVAL_RUN, "--engine-batch-sizes", "1"], "applies to --engine vllm"),
+    ("eval_run_gammas_beyond_context", [*EVAL_RUN, "--gammas", "1,600"], "--gammas 600 with --max-new-tokens 64"),
     ("eval_run_option_given_twice", [*EVAL_RUN, "--limit", "1", "--limit", "2"], "--limit is given twice"),
     (
         "eval_run_draft_option_of_another_kind",
@@ -278,6 +279,8 @@ CASES = [
     # draftsmith quickstart: its evaluation and publishing options, before any training
     ("quickstart_gamma_zero", [*QUICK, "--gammas", "0"], "--gammas must all be >= 1"),
     ("quickstart_gammas_not_numbers", [*QUICK, "--gammas", "1;2"], "--gammas must be a comma-separated list"),
+    ("quickstart_gammas_beyond_context", [*QUICK, "--gammas", "2,500"], "does not fit the target's context (512"),
+    ("quickstart_early_exit", [*QUICK, "draft_kind=early_exit"], "early-exit drafts share the target's layers"),
     ("quickstart_limit_zero", [*QUICK, "--limit", "0"], "--limit must be >= 1"),
     ("quickstart_max_new_tokens_zero", [*QUICK, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     ("quickstart_prompts_folder", [*QUICK, "--prompts", "{folder}"], "a-folder is a folder; give a JSONL file"),
