@@ -31,13 +31,11 @@ Smoke test on the tiny target (a few minutes):
 from __future__ import annotations
 
 import argparse
-import os
-import time
 from pathlib import Path
 
 import torch
 from common import PROMPTS, save
-from kind_runs import decoding_draft
+from kind_runs import decoding_draft, train_snapshots
 
 from draftsmith.distill.drafts import KINDS
 from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
@@ -45,8 +43,6 @@ from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.train.config import DistillConfig, load_config
-from draftsmith.train.loop import log_heldout, setup, train_step
-from draftsmith.train.loop import save as save_checkpoint
 from draftsmith.train.models import load_target
 from draftsmith.train.speedup import measure_draft
 
@@ -68,41 +64,6 @@ def kind_config(kind: str, smoke: bool) -> tuple[Path, list[str]]:
         return CONFIGS / "tiny.yaml", [f"draft_kind={kind}", *SMOKE_OVERRIDES.get(kind, [])]
     name = "smollm2-135m.yaml" if kind == "lm" else f"smollm2-135m-{kind.replace('_', '-')}.yaml"
     return CONFIGS / name, ["dataset=smollm2-self"]
-
-
-def train_snapshots(cfg: DistillConfig, budgets: list[float]):
-    """Step the run ``cfg`` describes; at each budget of training-step minutes (or at ``max_steps``)
-    log its held-out alpha, save its draft and yield (budget, figures of the run so far, draft folder)."""
-    started, load_before = time.perf_counter(), os.getloadavg()[0]
-    run = setup(cfg)
-    spent, tokens, epoch, pending = 0.0, 0, 0, list(budgets)
-    while pending:
-        run.loader.set_epoch(epoch)
-        batches = iter(run.loader)
-        for _ in range(len(run.loader) // cfg.grad_accum):
-            micro = [next(batches) for _ in range(cfg.grad_accum)]
-            start = time.perf_counter()
-            loss, step_tokens = train_step(run, micro)
-            spent += time.perf_counter() - start
-            tokens += step_tokens
-            run.window_loss, run.window_tokens = run.window_loss + loss, run.window_tokens + step_tokens
-            finished = run.step >= cfg.max_steps
-            while pending and (spent >= 60 * pending[0] or finished):
-                log_heldout(run)
-                save_checkpoint(run)
-                figures = {
-                    "steps": run.step,
-                    "tokens": tokens,
-                    "train_s": spent,
-                    "wall_s": time.perf_counter() - started,
-                    "heldout_sum_min_pq": run.last_metrics["acceptance_rate"],
-                    "load_average": [load_before, os.getloadavg()[0]],
-                }
-                yield pending.pop(0), figures, run.run_dir / f"checkpoint-{run.step}"
-            if not pending:
-                break
-        epoch += 1
-    run.bar.close()
 
 
 def measure_snapshot(target, tokenizer, folder: Path, args) -> dict:

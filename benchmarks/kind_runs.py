@@ -21,30 +21,49 @@ def train_for(cfg: DistillConfig, minutes: float) -> dict:
     """Train the run ``cfg`` describes until ``minutes`` of training steps have passed or its max_steps
     are done (set-up, held-out evaluations and checkpoint writing not counted), then log its held-out
     alpha and save its draft as ``checkpoint-{step}``: steps, seconds, held-out alpha, load before/after."""
-    load_before = os.getloadavg()[0]
+    _, figures, _ = next(train_snapshots(cfg, [minutes]))
+    return {
+        "steps": figures["steps"],
+        "train_s": figures["train_s"],
+        "heldout_alpha": figures["heldout_sum_min_pq"],
+        "load_average": figures["load_average"],
+    }
+
+
+def train_snapshots(cfg: DistillConfig, budgets: list[float]):
+    """Step the run ``cfg`` describes; at each of ``budgets`` (minutes of training steps, ascending) or at
+    ``max_steps``, log its held-out alpha, save its draft and yield (budget, the run's figures so far,
+    the draft's folder). Set-up, held-out evaluations and checkpoint writes are not counted."""
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     run = setup(cfg)
-    spent, epoch = 0.0, 0
-    while spent < 60 * minutes and run.step < cfg.max_steps:
+    spent, tokens, epoch, pending = 0.0, 0, 0, list(budgets)
+    while pending:
         run.loader.set_epoch(epoch)
         batches = iter(run.loader)
         for _ in range(len(run.loader) // cfg.grad_accum):
             micro = [next(batches) for _ in range(cfg.grad_accum)]
             start = time.perf_counter()
-            loss, tokens = train_step(run, micro)
+            loss, step_tokens = train_step(run, micro)
             spent += time.perf_counter() - start
-            run.window_loss, run.window_tokens = run.window_loss + loss, run.window_tokens + tokens
-            if spent >= 60 * minutes or run.step >= cfg.max_steps:
+            tokens += step_tokens
+            run.window_loss, run.window_tokens = run.window_loss + loss, run.window_tokens + step_tokens
+            finished = run.step >= cfg.max_steps
+            while pending and (spent >= 60 * pending[0] or finished):
+                log_heldout(run)
+                save_checkpoint(run)
+                figures = {
+                    "steps": run.step,
+                    "tokens": tokens,
+                    "train_s": spent,
+                    "wall_s": time.perf_counter() - started,
+                    "heldout_sum_min_pq": run.last_metrics["acceptance_rate"],
+                    "load_average": [load_before, os.getloadavg()[0]],
+                }
+                yield pending.pop(0), figures, run.run_dir / f"checkpoint-{run.step}"
+            if not pending:
                 break
         epoch += 1
-    log_heldout(run)
     run.bar.close()
-    save_checkpoint(run)
-    return {
-        "steps": run.step,
-        "train_s": spent,
-        "heldout_alpha": run.last_metrics["acceptance_rate"],
-        "load_average": [load_before, os.getloadavg()[0]],
-    }
 
 
 def answers_batch(target, tokenizer, prompts: list[list[int]], tokens: int, eos) -> dict:
