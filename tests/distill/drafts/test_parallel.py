@@ -36,7 +36,7 @@ from draftsmith.distill.drafts.parallel import (
     mask_weights,
     position_acceptance,
 )
-from draftsmith.specdec import draft_vocab, verify
+from draftsmith.specdec import draft_vocab, proposal, verify
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
@@ -296,7 +296,7 @@ def test_broken_rules_fail_the_same_fit(small, monkeypatch, control):
     if control in ("always accept", "correct from p"):
         monkeypatch.setattr(verify, "accept_sampled", always_accept if control == "always accept" else correct_from_p)
     elif control == "raw q":
-        monkeypatch.setattr(parallel, "draft_step", raw_q(parallel.draft_step))
+        monkeypatch.setattr(proposal, "draft_step", raw_q(proposal.draft_step))  # the chain loop's draws
     else:
         monkeypatch.setattr(
             parallel.ParallelDrafter, "propose", reported_as_first_row(parallel.ParallelDrafter.propose)
