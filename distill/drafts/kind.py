@@ -297,6 +297,18 @@ def transformers_usage(target: str, draft_ref: str, gamma: int, note: str = "") 
     ]
 
 
+def draftsmith_usage(target: str, draft_ref: str, gamma: int) -> list[str]:
+    """The card's usage for a draft no serving engine runs: draftsmith's own decoder."""
+    return [
+        "draftsmith's decoder (no serving engine runs this kind of draft):",
+        "",
+        "```bash",
+        f"draftsmith eval --target {target} --draft {draft_ref} --gamma {gamma}",
+        "```",
+        "",
+    ]
+
+
 def vllm_usage(target: str, engine_config: dict, gamma: int) -> list[str]:
     """The card's vLLM snippet: the kind's ``engine_config`` with ``num_speculative_tokens``, as a literal."""
     config = {**engine_config, "num_speculative_tokens": gamma}
@@ -437,6 +449,8 @@ class KindBase:
         lines = ["", "## Usage", ""]
         if self.standalone:
             lines += transformers_usage(target, draft_ref, gamma)
+        if type(self).engine_config is KindBase.engine_config:  # a kind no serving engine runs
+            return lines + draftsmith_usage(target, draft_ref, gamma)
         return lines + vllm_usage(target, self.engine_config(Path(draft_ref)), gamma)
 
     def check_decode_options(self, values: Mapping[str, object]) -> None:

@@ -128,7 +128,7 @@ def test_eval_run_that_measures_nothing_is_refused_and_writes_nothing(published,
     assert main(args) == 2
     one_line_error(capsys, "nothing was measured at --max-new-tokens 2")
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
-    assert main(["eval-run", str(run_dir), *MEASURE, "--limit", "0"]) == 2
+    assert main(["eval-run", str(run_dir), "--prompts", PROMPTS, "--limit", "0", "--no-progress"]) == 2
     one_line_error(capsys, "--limit must be >= 1")
 
 

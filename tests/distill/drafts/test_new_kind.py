@@ -187,3 +187,4 @@ def test_a_registered_kind_trains_checkpoints_ranks_and_publishes(registered, tm
     out = tmp_path / "published"
     assert main(["publish", str(run), "--out", str(out)]) == 0
     assert (out / "last_state.safetensors").is_file() and drafts.KINDS["last_state"].read_serving(out).gamma == 1
+    assert f"draftsmith eval --target tiny --draft {out.resolve()} --gamma 1" in (out / "README.md").read_text()
