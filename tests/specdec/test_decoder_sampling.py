@@ -13,7 +13,7 @@ device, eagerly and compiled (``DecodeOptions.compile``).
 import pytest
 import torch
 
-from draftsmith.specdec import drafters, verify
+from draftsmith.specdec import proposal, verify
 from draftsmith.specdec.sampling import SamplingParams, accept_sampled
 from tests.helpers import assert_fits, noisy_copy, sample_spec, sampled_fit, tiny_llama
 
@@ -116,7 +116,7 @@ def raw_q(real_step):
 @pytest.mark.parametrize("control", ["always accept", "correct from p", "raw q"])
 def test_broken_rules_fail_the_same_fit(target, drafts, monkeypatch, control, mode):
     if control == "raw q":
-        monkeypatch.setattr(drafters, "draft_step", raw_q(drafters.draft_step))
+        monkeypatch.setattr(proposal, "draft_step", raw_q(proposal.draft_step))
     else:
         monkeypatch.setattr(verify, "accept_sampled", always_accept if control == "always accept" else correct_from_p)
     a, b, _ = sample_spec(target, drafts["weak"], TOP_K, 3, compile=MODES[mode])

@@ -30,7 +30,7 @@ from draftsmith.distill.drafts import eagle3, kind_of_folder
 from draftsmith.distill.drafts.eagle3 import KIND, EagleHead, default_aux_layers, ttt_mask, unroll
 from draftsmith.distill.drafts.kind import Batch, DraftSettings, Serving
 from draftsmith.distill.losses import row_losses
-from draftsmith.specdec import draft_vocab, verify
+from draftsmith.specdec import draft_vocab, proposal, verify
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
@@ -254,7 +254,7 @@ def correct_from_p(tokens, q, p, counts, generator=None):
 
 def reported(make_q):
     """A draft step that draws its token as the real one does but reports ``make_q(logits, q)``."""
-    real_step = eagle3.draft_step
+    real_step = proposal.draft_step
 
     def step(logits, options, generator):
         token, q, confident = real_step(logits, options, generator)
@@ -277,9 +277,9 @@ def test_broken_rules_fail_the_same_fit(small, monkeypatch, control):
     target, head = small
     params = SamplingParams(0.7, top_k=5)
     if control == "raw q":
-        monkeypatch.setattr(eagle3, "draft_step", reported(raw_q))
+        monkeypatch.setattr(proposal, "draft_step", reported(raw_q))
     elif control == "q not mapped by d2t":
-        monkeypatch.setattr(eagle3, "draft_step", reported(unmapped_q))
+        monkeypatch.setattr(proposal, "draft_step", reported(unmapped_q))
     else:
         monkeypatch.setattr(verify, "accept_sampled", always_accept if control == "always accept" else correct_from_p)
     a, b, _ = sample_spec(target, head, params, 3)
