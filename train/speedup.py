@@ -92,13 +92,14 @@ def measure_draft(
         **{k: confirmed[k] for k in FIGURES},  # measured at the best gamma
         "predicted_speedup": None
         if measured_alpha is None
-        # Every sequence drafting every round, at the alpha measured at the best gamma, with c and v as
-        # the base gamma's run gives them there (a paced run's own v mixes in plain steps).
+        # Every sequence drafting every round, at the alpha measured at the best gamma, with that run's
+        # c and v; a paced run's own v mixes in plain steps, so it takes them as the base gamma's run
+        # gives them there.
         else predicted_speedup(
             measured_alpha,
             best_gamma,
-            cost(best_gamma),
-            1 + (v - 1) * best_gamma / base,
+            cost(best_gamma) if paced else confirmed["cost_ratio_c"],
+            1 + (v - 1) * best_gamma / base if paced else confirmed["verify_ratio_v"],
             round_forwards(draft, best_gamma),
         ),
         "measured_cost_ratio": {k: first[k] for k in ("cost_ratio_c", "cost_ratio_c_spread")},
