@@ -147,7 +147,9 @@ def test_shipped_config_by_name_from_another_folder(tmp_path, monkeypatch, capsy
     assert "unknown config key 'nonsense_key'" in capsys.readouterr().err
     assert main(["distill", "--config", "tinny"]) == 2
     err = capsys.readouterr().err
-    shipped = "smollm2-135m, smollm2-135m-dflash, smollm2-135m-eagle3, smollm2-135m-early-exit, smollm2-135m-parallel, tiny"
+    shipped = (
+        "smollm2-135m, smollm2-135m-dflash, smollm2-135m-eagle3, smollm2-135m-early-exit, smollm2-135m-parallel, tiny"
+    )
     assert "config not found: tinny" in err and shipped in err
 
 
