@@ -351,9 +351,8 @@ def standalone_pair(
     """The whole target and a standalone draft LM, each on its own cache (``feature_layers``: the
     target layers whose hidden states each verification also returns, for a drafter that reads them)."""
     compiled = options.tree is None and resolve_compile(options.compile, target)
+    verifier = TargetVerifier.for_options(target, batch_size, capacity, options, compiled, feature_layers)
     cache_kind = options.cache_kind or default_cache_kind(target.device)
-    widths = options.verify_widths if options.tree is None else {}
-    verifier = TargetVerifier(target, batch_size, capacity, cache_kind, widths, compiled, feature_layers)
     return verifier, LMDrafter(draft, batch_size, capacity, cache_kind, compiled=compiled)
 
 

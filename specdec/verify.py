@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.clock import Clock
 from draftsmith.specdec.compiled import make_stream
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.proposal import Proposal
 from draftsmith.specdec.sampling import SamplingParams, accept_greedy, accept_sampled, process_logits
 from draftsmith.specdec.stream import Verification, decoding_threads
@@ -74,6 +75,22 @@ class TargetVerifier:
         self.stream = make_stream(target, batch_size, capacity, cache_kind, role="target", compiled=compiled)
         self.widths = widths
         self.feature_layers = feature_layers
+
+    @classmethod
+    def for_options(
+        cls,
+        target: PreTrainedModel,
+        batch_size: int,
+        capacity: int,
+        options: DecodeOptions,
+        compiled: bool = False,
+        feature_layers: tuple[int, ...] = (),
+    ) -> TargetVerifier:
+        """The verifier ``options`` ask for: their cache kind (the device's default when unset) and
+        verification widths (none for a token tree, whose width is its node count)."""
+        cache_kind = options.cache_kind or default_cache_kind(target.device)
+        widths = options.verify_widths if options.tree is None else {}
+        return cls(target, batch_size, capacity, cache_kind, widths, compiled, feature_layers)
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, reusable: None = None) -> Verification:
         """Logits after each prompt (B, 1, V)."""

@@ -68,7 +68,6 @@ from draftsmith.distill.drafts.kind import (
     layer_count,
 )
 from draftsmith.distill.drafts.parallel import ParallelProposal, tree_from_levels
-from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.drafters import draft_chain, stack_proposal
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
@@ -240,9 +239,7 @@ class DFlashDraft(DraftModel):
         self.decodes_compiled(target, options)
         if (target.config.hidden_size, target.config.vocab_size) != (self.config.hidden_size, self.config.vocab_size):
             raise DraftsmithError("this DFlash draft was made for another target (hidden size or vocabulary differ)")
-        cache_kind = options.cache_kind or default_cache_kind(target.device)
-        widths = options.verify_widths if options.tree is None else {}
-        verifier = TargetVerifier(target, batch_size, capacity, cache_kind, widths, feature_layers=self.feature_layers)
+        verifier = TargetVerifier.for_options(target, batch_size, capacity, options, feature_layers=self.feature_layers)
         return verifier, DFlashDrafter(self, batch_size, capacity)
 
     def round_forwards(self, gamma: int) -> int:

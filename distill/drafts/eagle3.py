@@ -81,7 +81,6 @@ from draftsmith.distill.drafts.kind import (
     Predictions,
     Serving,
 )
-from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.drafters import Proposal, draft_chain
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
@@ -287,9 +286,7 @@ class EagleHead(DraftModel):
         self.decodes_compiled(target, options)
         if (target.config.hidden_size, target.config.vocab_size) != (self.config.hidden_size, self.config.vocab_size):
             raise DraftsmithError("this EAGLE-3 head was made for another target (hidden size or vocabulary differ)")
-        cache_kind = options.cache_kind or default_cache_kind(target.device)
-        widths = options.verify_widths if options.tree is None else {}
-        verifier = TargetVerifier(target, batch_size, capacity, cache_kind, widths, feature_layers=self.aux_layers)
+        verifier = TargetVerifier.for_options(target, batch_size, capacity, options, feature_layers=self.aux_layers)
         return verifier, EagleDrafter(self, batch_size, capacity)
 
 

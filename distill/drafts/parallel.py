@@ -203,9 +203,8 @@ class ParallelDraft(DraftModel):
         """The whole target on its cache (as for a standalone LM) and the parallel drafter on the
         draft's; the draft's cache holds up to gamma - 1 masks more for the length of a forward."""
         compiled = self.decodes_compiled(target, options)
+        verifier = TargetVerifier.for_options(target, batch_size, capacity, options, compiled)
         cache_kind = options.cache_kind or default_cache_kind(target.device)
-        widths = options.verify_widths if options.tree is None else {}
-        verifier = TargetVerifier(target, batch_size, capacity, cache_kind, widths, compiled)
         masks = options.gamma if options.tree is None else options.tree.depth
         model = self.decoding_model()
         stream = make_stream(model, batch_size, capacity + masks, cache_kind, role="draft", compiled=compiled)
