@@ -87,26 +87,7 @@ def test_every_kind_in_two_processes_matches_one(tmp_path, monkeypatch, kind, te
 @pytest.mark.parametrize("cut", [0, 40])
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path, cut):
     two = tmp_path / "two"
-    two.mkdir()
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",  # a free port, chosen by the rendezvous
-        "--nproc_per_node=2",
-        "--redirects=3",  # each rank's output to its own file under --log-dir
-        f"--log-dir={tmp_path / 'logs'}",
-        str(ROOT / "tests" / "train" / "ddp_worker.py"),
-        str(two),
-        f"output_dir={two / 'run'}",
-        "batch_size=4",
-        f"train_draft_vocab={cut}",
-        *COMMON,
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    rank_logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").rglob("*.log")))
-    assert result.returncode == 0, rank_logs or result.stderr[-3000:]
+    two_ranks(tmp_path, two, f"output_dir={two / 'run'}", "batch_size=4", f"train_draft_vocab={cut}", *COMMON)
     rank0, rank1 = load_file(two / "rank-0.safetensors"), load_file(two / "rank-1.safetensors")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
