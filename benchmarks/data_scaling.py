@@ -101,11 +101,17 @@ def heldout_prompts(args, work: Path) -> Path:
 def train_budget(args, work: Path, data: Path, lengths: list[int], budget: int) -> tuple[Path, dict]:
     """One epoch over the first rows holding ``budget`` answer tokens; returns (final checkpoint, facts)."""
     rows = next(i + 1 for i in range(len(lengths)) if sum(lengths[: i + 1]) >= budget)
-    live = "teacher_cache=false"  # one epoch: the live target, unless --set teacher_cache=true
-    overrides = [f"dataset={data}", f"max_samples={rows}", f"output_dir={work / f'run-{budget}'}", live, *args.set]
+    live = "teacher.cache=false"  # one epoch: the live target, unless --set teacher_cache=true
+    overrides = [
+        f"data.dataset={data}",
+        f"data.max_samples={rows}",
+        f"output_dir={work / f'run-{budget}'}",
+        live,
+        *args.set,
+    ]
     cfg = load_config(DistillConfig, config_path("smollm2-135m"), overrides)
-    steps = max(1, round((rows - cfg.heldout) / (cfg.batch_size * cfg.grad_accum)))
-    overrides += [f"max_steps={steps}", f"save_steps={steps}"]
+    steps = max(1, round((rows - cfg.data.heldout) / (cfg.optim.batch_size * cfg.optim.grad_accum)))
+    overrides += [f"optim.max_steps={steps}", f"save.steps={steps}"]
     cfg = load_config(DistillConfig, config_path("smollm2-135m"), overrides)
     final = Path(cfg.output_dir) / f"checkpoint-{steps}"
     start = time.perf_counter()
@@ -210,9 +216,9 @@ def with_trained_head(draft, folder: Path, eos: frozenset[int]):
     the untrained draft is cut the same way as the smallest run."""
     run = folder.parent
     cfg = load_run_config(run)
-    if not cfg.train_draft_vocab:
+    if not cfg.draft.vocab:
         return draft
-    return SubsetHeadDraft(draft, draft_vocab.load_ranking(run, cfg.train_draft_vocab), eos)
+    return SubsetHeadDraft(draft, draft_vocab.load_ranking(run, cfg.draft.vocab), eos)
 
 
 def cpu_flags() -> list[str]:

@@ -66,20 +66,20 @@ def main() -> None:
             str(CONFIG),
             [
                 f"output_dir={args.out}/{loss}",
-                "dataset=builtin",  # the built-in prompts and the target's answers to them
-                f"loss={loss}",
-                "teacher_cache=false",  # every loss with the live target (TVD, JSD need its whole distribution)
-                f"lr={args.lr}",
-                f"max_steps={args.steps}",
-                f"save_steps={args.steps}",
-                "log_steps=25",
-                "keep_last=1",
+                "data.dataset=builtin",  # the built-in prompts and the target's answers to them
+                f"loss.name={loss}",
+                "teacher.cache=false",  # every loss with the live target (TVD, JSD need its whole distribution)
+                f"optim.lr={args.lr}",
+                f"optim.max_steps={args.steps}",
+                f"save.steps={args.steps}",
+                "log.steps=25",
+                "save.keep_last=1",
             ],
         )
         target, tokenizer, _ = build_models(cfg, torch.device("cpu"))
         _, held = build_examples(cfg, target, tokenizer, Accelerator(cpu=True))
         eos = eos_token_ids(target, tokenizer)
-        before = measure(truncate_target(target, cfg.draft_layers), target, held, eos)
+        before = measure(truncate_target(target, cfg.draft.layers), target, held, eos)
         start = time.perf_counter()
         run = train(cfg)
         minutes = (time.perf_counter() - start) / 60

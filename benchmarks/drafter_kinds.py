@@ -60,25 +60,25 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 KINDS = {  # name -> (config, overrides): every kind on the same shipped data
     "truncated LM (2 layers)": (  # the live target and the schedule of the other kinds' configs
         "smollm2-135m.yaml",
-        ["dataset=smollm2-self", "teacher_cache=false", "max_steps=300", "save_steps=100"],
+        ["data.dataset=smollm2-self", "teacher.cache=false", "optim.max_steps=300", "save.steps=100"],
     ),
-    "early exit (4 layers + exit head)": ("smollm2-135m-early-exit.yaml", ["dataset=smollm2-self"]),
-    "EAGLE-3 head": ("smollm2-135m-eagle3.yaml", ["dataset=smollm2-self"]),
-    "parallel draft (2 layers, 6 masks)": ("smollm2-135m-parallel.yaml", ["dataset=smollm2-self"]),
-    "DFlash draft (2 layers, blocks of 8)": ("smollm2-135m-dflash.yaml", ["dataset=smollm2-self"]),
+    "early exit (4 layers + exit head)": ("smollm2-135m-early-exit.yaml", ["data.dataset=smollm2-self"]),
+    "EAGLE-3 head": ("smollm2-135m-eagle3.yaml", ["data.dataset=smollm2-self"]),
+    "parallel draft (2 layers, 6 masks)": ("smollm2-135m-parallel.yaml", ["data.dataset=smollm2-self"]),
+    "DFlash draft (2 layers, blocks of 8)": ("smollm2-135m-dflash.yaml", ["data.dataset=smollm2-self"]),
 }
 # --smoke: configs/tiny.yaml as each kind
 SMOKE = {
     "truncated LM (1 layer)": ("tiny.yaml", []),
-    "early exit (2 layers + exit head)": ("tiny.yaml", ["draft_kind=early_exit", "draft_layers=2"]),
-    "EAGLE-3 head": ("tiny.yaml", ["draft_kind=eagle3", "train_draft_vocab=30"]),
+    "early exit (2 layers + exit head)": ("tiny.yaml", ["draft.kind=early_exit", "draft.layers=2"]),
+    "EAGLE-3 head": ("tiny.yaml", ["draft.kind=eagle3", "draft.vocab=30"]),
     "parallel draft (1 layer, 4 masks)": (
         "tiny.yaml",
-        ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}"],
+        ["draft.kind=parallel", "draft.options={mask_token_id: 2, k: 4}"],
     ),
     "DFlash draft (1 layer, blocks of 4)": (
         "tiny.yaml",
-        ["draft_kind=dflash", "draft_layers=1", "kind_options={mask_token_id: 2, block_size: 4}"],
+        ["draft.kind=dflash", "draft.layers=1", "draft.options={mask_token_id: 2, block_size: 4}"],
     ),
 }
 

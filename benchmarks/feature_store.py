@@ -24,8 +24,8 @@ from draftsmith.train.loop import train
 
 def run(config: str, folder: Path, steps: int, cached: bool, extra: list[str]) -> dict:
     """One training run of ``steps`` steps; its train_summary.json."""
-    items = [f"output_dir={folder}", f"max_steps={steps}", f"save_steps={steps}", f"log_steps={steps}"]
-    items += ["eval_speedup_steps=0", f"teacher_cache={str(cached).lower()}", *extra]
+    items = [f"output_dir={folder}", f"optim.max_steps={steps}", f"save.steps={steps}", f"log.steps={steps}"]
+    items += ["eval.speedup_steps=0", f"teacher.cache={str(cached).lower()}", *extra]
     result = train(load_config(DistillConfig, config_path(config), items))
     return json.loads((result.run_dir / "train_summary.json").read_text())
 
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--name", default="feature_store", help="results/NAME.json (default: feature_store)")
     args = parser.parse_args()
-    extra = ["draft_kind=eagle3", "train_draft_vocab=30"] if args.config == "tiny" else []
+    extra = ["draft.kind=eagle3", "draft.vocab=30"] if args.config == "tiny" else []
     records = {"live": [], "store": []}
     with tempfile.TemporaryDirectory() as tmp:
         run(args.config, Path(tmp) / "build", 1, True, extra)  # builds the store, untimed

@@ -51,19 +51,19 @@ RESULTS = Path(__file__).parent / "results"
 # --smoke: configs/tiny.yaml as each kind, with the options a kind cannot do without there
 SMOKE_OVERRIDES = {
     "lm": [],
-    "early_exit": ["draft_layers=2"],
-    "eagle3": ["train_draft_vocab=30"],
-    "parallel": ["kind_options={mask_token_id: 2, k: 4}"],
-    "dflash": ["kind_options={mask_token_id: 2, block_size: 4}"],
+    "early_exit": ["draft.layers=2"],
+    "eagle3": ["draft.vocab=30"],
+    "parallel": ["draft.options={mask_token_id: 2, k: 4}"],
+    "dflash": ["draft.options={mask_token_id: 2, block_size: 4}"],
 }
 
 
 def kind_config(kind: str, smoke: bool) -> tuple[Path, list[str]]:
     """The shipped config a kind trains from, and the overrides that put it on the shipped data."""
     if smoke:
-        return CONFIGS / "tiny.yaml", [f"draft_kind={kind}", *SMOKE_OVERRIDES.get(kind, [])]
+        return CONFIGS / "tiny.yaml", [f"draft.kind={kind}", *SMOKE_OVERRIDES.get(kind, [])]
     name = "smollm2-135m.yaml" if kind == "lm" else f"smollm2-135m-{kind.replace('_', '-')}.yaml"
-    return CONFIGS / name, ["dataset=smollm2-self"]
+    return CONFIGS / name, ["data.dataset=smollm2-self"]
 
 
 def measure_snapshot(target, tokenizer, folder: Path, args) -> dict:

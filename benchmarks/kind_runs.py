@@ -40,14 +40,14 @@ def train_snapshots(cfg: DistillConfig, budgets: list[float]):
     while pending:
         run.loader.set_epoch(epoch)
         batches = iter(run.loader)
-        for _ in range(len(run.loader) // cfg.grad_accum):
-            micro = [next(batches) for _ in range(cfg.grad_accum)]
+        for _ in range(len(run.loader) // cfg.optim.grad_accum):
+            micro = [next(batches) for _ in range(cfg.optim.grad_accum)]
             start = time.perf_counter()
             loss, step_tokens = train_step(run, micro)
             spent += time.perf_counter() - start
             tokens += step_tokens
             run.window_loss, run.window_tokens = run.window_loss + loss, run.window_tokens + step_tokens
-            finished = run.step >= cfg.max_steps
+            finished = run.step >= cfg.optim.max_steps
             while pending and (spent >= 60 * pending[0] or finished):
                 log_heldout(run)
                 save_checkpoint(run)

@@ -36,7 +36,7 @@ from draftsmith.train.models import load_target
 
 # configs/tiny.yaml as a parallel draft: <unk> (2) as the mask (the character data has none), a cut
 # head, and frozen embeddings as the shipped parallel config has them
-TINY = ["draft_kind=parallel", "freeze_embeddings=true", "train_draft_vocab=48"]
+TINY = ["draft.kind=parallel", "draft.freeze_embeddings=true", "draft.vocab=48"]
 TINY_OPTIONS = {"mask_token_id": 2, "k": 4}
 
 
@@ -62,8 +62,8 @@ def train(config: str, scheme: str, steps: int, floor: float | None, out: Path, 
         options["weight_floor"] = floor
     flow = ", ".join(f"{key}: {value}" for key, value in options.items())
     extra = TINY if config == "tiny" else []
-    steps_args = [f"max_steps={steps}", f"save_steps={steps}", f"log_steps={steps}", "warmup_steps=2"]
-    args = ["distill", "--config", config, f"output_dir={run}", *extra, f"kind_options={{{flow}}}", *steps_args]
+    steps_args = [f"optim.max_steps={steps}", f"save.steps={steps}", f"log.steps={steps}", "optim.warmup_steps=2"]
+    args = ["distill", "--config", config, f"output_dir={run}", *extra, f"draft.options={{{flow}}}", *steps_args]
     args += overrides
     if draftsmith(args) != 0:
         raise SystemExit(f"training {scheme} failed")
@@ -73,7 +73,7 @@ def train(config: str, scheme: str, steps: int, floor: float | None, out: Path, 
 def measure(run: Path, steps: int, heldout: int, tokens: int) -> dict:
     """Greedy acceptance and mean sum min(p, q) per position of the run's initial and final drafts."""
     cfg = load_run_config(run)
-    positions = cfg.kind_options["k"]
+    positions = cfg.draft.options["k"]
     target, tokenizer = load_target(cfg, torch.device("cpu"))
     eos = eos_token_ids(target, tokenizer)
     prompts = [encode_chat(tokenizer, p.turns[0]) for p in read_prompts(PROMPTS)[:heldout]]

@@ -50,9 +50,9 @@ from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.models import load_target
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-ORDINARY = ["draft_kind=lm", "kind_options={}"]  # the parallel config's draft, without its masks
+ORDINARY = ["draft.kind=lm", "draft.options={}"]  # the parallel config's draft, without its masks
 # --smoke: configs/tiny.yaml as a parallel draft (<unk> as the mask: the character data has none), head cut too
-SMOKE = ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}"]
+SMOKE = ["draft.kind=parallel", "draft.options={mask_token_id: 2, k: 4}"]
 
 
 @torch.no_grad()
@@ -142,7 +142,7 @@ def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dty
     eos = eos_token_ids(target, tokenizer)
     prompts = [encode_chat(tokenizer, p.turns[0]) for p in read_prompts(PROMPTS)[: args.heldout]]
     batch = answers_batch(target, tokenizer, prompts, args.max_new_tokens, eos)
-    k, mask = cfg.kind_options["k"], cfg.kind_options["mask_token_id"]
+    k, mask = cfg.draft.options["k"], cfg.draft.options["mask_token_id"]
     result = {}
     for name, folder in folders.items():
         draft = decoding_draft(folder, target, eos)
@@ -176,11 +176,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny target, seconds of training, few prompts")
     parser.add_argument("--drafts", type=Path, help="measure the drafts benchmarks/drafter_kinds.py trained there")
     args = parser.parse_args()
-    overrides = ["max_steps=1000000", "save_steps=1000000", "log_steps=1000000", "keep_last=1"]
+    overrides = ["optim.max_steps=1000000", "save.steps=1000000", "log.steps=1000000", "save.keep_last=1"]
     config, parallel = CONFIGS / "smollm2-135m-parallel.yaml", []
     if args.smoke:
         config, parallel = CONFIGS / "tiny.yaml", SMOKE
-        overrides.append("train_draft_vocab=48")
+        overrides.append("draft.vocab=48")
         args.minutes, args.prompts, args.heldout, args.max_new_tokens, args.repeats = 0.1, 2, 4, 16, 1
         args.gammas = "1,2,3"
     args.gammas = [int(g) for g in args.gammas.split(",")]

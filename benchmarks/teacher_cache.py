@@ -38,12 +38,12 @@ def main() -> None:
                     str(CONFIG),
                     [
                         f"output_dir={work / f'{mode}-{rep}'}",
-                        "dataset=builtin",  # the built-in prompts: a cache over them builds in minutes
-                        f"max_steps={args.steps}",
-                        f"log_steps={args.steps}",
-                        f"save_steps={args.steps}",
-                        f"teacher_cache={mode == 'cache'}",
-                        f"teacher_top_k={args.top_k}",
+                        "data.dataset=builtin",  # the built-in prompts: a cache over them builds in minutes
+                        f"optim.max_steps={args.steps}",
+                        f"log.steps={args.steps}",
+                        f"save.steps={args.steps}",
+                        f"teacher.cache={mode == 'cache'}",
+                        f"teacher.top_k={args.top_k}",
                     ],
                 )
                 rates[mode].append(tokens_per_s(train(cfg)))  # the cache is built once, outside the timed steps

@@ -25,9 +25,9 @@ from draftsmith.train.loop import train
 
 CONFIG = Path(__file__).parents[1] / "configs" / "smollm2-135m.yaml"
 ARMS = {
-    "float32": ["teacher_dtype=float32", "mixed_precision=no"],
-    "bf16 teacher": ["teacher_dtype=bfloat16", "mixed_precision=no"],
-    "bf16 + amp": ["teacher_dtype=bfloat16", "mixed_precision=bf16"],
+    "float32": ["teacher.dtype=float32", "optim.mixed_precision=no"],
+    "bf16 teacher": ["teacher.dtype=bfloat16", "optim.mixed_precision=no"],
+    "bf16 + amp": ["teacher.dtype=bfloat16", "optim.mixed_precision=bf16"],
 }
 
 
@@ -42,9 +42,9 @@ def main() -> None:
         for rep in range(args.repeats):
             for arm, overrides in ARMS.items():
                 run = work / f"{arm.replace(' ', '_').replace('+', '')}-{rep}"
-                steps = [f"max_steps={args.steps}", f"log_steps={args.steps}", f"save_steps={args.steps}"]
-                data = "dataset=builtin"  # the target answers the built-in prompts at the start of each run
-                live = "teacher_cache=false"  # the target teaches at every step: its dtype is what is measured
+                steps = [f"optim.max_steps={args.steps}", f"log.steps={args.steps}", f"save.steps={args.steps}"]
+                data = "data.dataset=builtin"  # the target answers the built-in prompts at the start of each run
+                live = "teacher.cache=false"  # the target teaches at every step: its dtype is what is measured
                 cfg = load_config(DistillConfig, str(CONFIG), [f"output_dir={run}", data, live, *steps, *overrides])
                 rates[arm].append(tokens_per_s(train(cfg)))
                 print(f"repeat {rep + 1} {arm}: {rates[arm][-1]:.1f} tokens/s")

@@ -49,9 +49,11 @@ GEMMS = [(2048, 576, 1536), (2048, 1536, 576), (2048, 2048, 2048)]  # (M, K, N):
 
 def arms(native_bf16: bool) -> dict[str, list[str]]:
     """name -> config overrides; float32 arms only where the default is another dtype."""
-    dtypes = {"default": []} | ({"float32": ["teacher_dtype=float32", "mixed_precision=no"]} if native_bf16 else {})
-    heads = {"cut": [], "full": ["train_draft_vocab=0"]}
-    teachers = {"live": ["teacher_cache=false"], "cache": ["teacher_cache=true"]}
+    dtypes = {"default": []} | (
+        {"float32": ["teacher.dtype=float32", "optim.mixed_precision=no"]} if native_bf16 else {}
+    )
+    heads = {"cut": [], "full": ["draft.vocab=0"]}
+    teachers = {"live": ["teacher.cache=false"], "cache": ["teacher.cache=true"]}
     return {
         f"{teacher} {head} {dtype}": [*t, *h, *d]
         for dtype, d in dtypes.items()
@@ -66,8 +68,8 @@ def micro_batches(run: Run) -> Iterator[list[dict]]:
     while True:
         run.loader.set_epoch(epoch)
         batches = iter(run.loader)
-        for _ in range(len(run.loader) // run.cfg.grad_accum):
-            yield [next(batches) for _ in range(run.cfg.grad_accum)]
+        for _ in range(len(run.loader) // run.cfg.optim.grad_accum):
+            yield [next(batches) for _ in range(run.cfg.optim.grad_accum)]
         epoch += 1
 
 
@@ -247,7 +249,7 @@ def main() -> None:
     if args.arms:
         overrides = {name: overrides[name] for name in args.arms.split(",")}
     dtypes = {arm: torch.bfloat16 if native_bf16 and arm.endswith("default") else torch.float32 for arm in overrides}
-    common = [f"max_samples={args.max_samples}", "max_steps=100000", f"teacher_top_k={args.top_k}"]
+    common = [f"data.max_samples={args.max_samples}", "optim.max_steps=100000", f"teacher.top_k={args.top_k}"]
     work = Path(tempfile.mkdtemp(prefix="train-throughput-bench-"))
     load_before = os.getloadavg()
     codes, worker = {}, None

@@ -68,18 +68,18 @@ ROW_FIELDS = ("text", "messages", "prompt", "completion", "conversations", "ques
 
 
 def map_columns(rows: datasets.Dataset, column_map: dict, source: str) -> datasets.Dataset:
-    """``rows`` with the columns named in ``column_map`` (field -> column) renamed to their fields;
+    """``rows`` with the columns named in ``data.column_map`` (field -> column) renamed to their fields;
     a field or column that does not exist is an error naming what there is."""
     if not column_map:
         return rows
     unknown = [field for field in column_map if field not in (*ROW_FIELDS, "category")]
     if unknown:
         fields = ", ".join(ROW_FIELDS)
-        raise DraftsmithError(f"column_map: unknown field(s) {', '.join(unknown)}; the fields are {fields}")
+        raise DraftsmithError(f"data.column_map: unknown field(s) {', '.join(unknown)}; the fields are {fields}")
     missing = [str(column) for column in column_map.values() if column not in rows.column_names]
     if missing:
         raise DraftsmithError(
-            f"{source}: column_map names column(s) {', '.join(missing)} that the data does not have; "
+            f"{source}: data.column_map names column(s) {', '.join(missing)} that the data does not have; "
             f"its columns are {', '.join(rows.column_names)}"
         )
     renamed = {column: field for field, column in column_map.items() if column != field}
@@ -96,7 +96,7 @@ def saved_rows(folder: Path, split: str) -> datasets.Dataset:
         raise DraftsmithError(f"{folder} is a folder but not one written by datasets' save_to_disk") from err
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise DraftsmithError(f"{folder} has no split {split!r}; it has {', '.join(loaded)} (set dataset_split)")
+            raise DraftsmithError(f"{folder} has no split {split!r}; it has {', '.join(loaded)} (set data.split)")
         loaded = loaded[split]
     return loaded
 
@@ -139,7 +139,7 @@ def check_text_row(row: dict, where: str) -> None:
 
 def usable_rows(rows: datasets.Dataset, data: str, source: str, skip_bad_rows: bool) -> datasets.Dataset:
     """``rows`` checked one by one before anything is built: the first bad one is an error naming its row
-    number, or with ``skip_bad_rows`` every bad one is left out and their count printed."""
+    number, or with ``data.skip_bad_rows`` every bad one is left out and their count printed."""
     bad = []
     for index, row in enumerate(rows):
         where = f"{source}, row {index} (counting from 0)"
@@ -150,11 +150,13 @@ def usable_rows(rows: datasets.Dataset, data: str, source: str, skip_bad_rows: b
                 parse_prompt_row(row, where, default_id=index)
         except DraftsmithError as err:
             if not skip_bad_rows:
-                raise DraftsmithError(f"{err}; fix the row, or pass skip_bad_rows=true to leave bad rows out") from err
+                raise DraftsmithError(
+                    f"{err}; fix the row, or pass data.skip_bad_rows=true to leave bad rows out"
+                ) from err
             bad.append(index)
     if not bad:
         return rows
-    print(f"{source}: skipped {len(bad)} bad row(s) of {len(rows)} (skip_bad_rows)", file=sys.stderr)
+    print(f"{source}: skipped {len(bad)} bad row(s) of {len(rows)} (data.skip_bad_rows)", file=sys.stderr)
     skipped = set(bad)
     return rows.select([i for i in range(len(rows)) if i not in skipped])
 

@@ -181,7 +181,7 @@ def check_trusted(folder: Path, target: str, allow_incomplete: bool = False) -> 
     """The manifest of a dataset folder fit to train ``target`` on; anything else is refused in one line.
 
     Its rows must be the answers of ``target`` (the same model, also through a symbolic link), and its
-    build must have finished unless ``allow_incomplete``: a build that was interrupted, or is still
+    build must have finished unless ``data.allow_incomplete``: a build that was interrupted, or is still
     running, holds only part of what was asked for.
     """
     manifest = read_manifest(folder)
@@ -197,7 +197,7 @@ def check_trusted(folder: Path, target: str, allow_incomplete: bool = False) -> 
     if not manifest.get("complete", False) and not allow_incomplete:
         raise DraftsmithError(
             f"{folder} is an incomplete build (interrupted, or still running): run the same draftsmith data "
-            "command again to finish it, or set allow_incomplete=true to train on the rows it has"
+            "command again to finish it, or set data.allow_incomplete=true to train on the rows it has"
         )
     return manifest
 

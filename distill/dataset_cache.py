@@ -10,8 +10,8 @@ Rows are cached whole (prompt + answer, nothing cut), one cache per answer shard
 - a killed build keeps every shard cache whose meta.json was written and builds the others again;
 - rows added to the dataset later get their own shard caches when the step runs again;
 - a run that cuts sequences at ``max_length`` reads a prefix of a row's entries (a causal target's
-  distribution at a position does not depend on what follows it), and a run with ``teacher_top_k``
-  <= K the first ``teacher_top_k`` columns (entries are sorted, most likely first): exactly what
+  distribution at a position does not depend on what follows it), and a run with ``teacher.top_k``
+  <= K the first ``teacher.top_k`` columns (entries are sorted, most likely first): exactly what
   ``teacher_cache.build`` would have written for the run's own examples.
 The target computes it in draftsmith (``teacher_cache.build``) or in a vLLM server from its prompt
 log-probs (the same top-k of the same log-softmax, in the engine's own kernels). The manifest's

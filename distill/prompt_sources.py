@@ -21,7 +21,7 @@ Rows are brought to the forms of ``specdec.prompts.parse_prompt_row`` (``convers
 ``instruction`` + ``input`` and ``text`` made a ``prompt``), which parses them: one parser for
 evaluation prompts and training prompts.
 
-``column_map`` names the column that holds a field when it has another name, e.g.
+``data.column_map`` names the column that holds a field when it has another name, e.g.
 ``{"prompt": "query"}``; then only the mapped columns are read (and ``category``). A row with none
 of the fields is an error naming its row number, unless bad rows are skipped (then their count is
 printed).

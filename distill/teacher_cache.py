@@ -145,7 +145,7 @@ def check_space(folder: Path, needed: int, free_bytes: Callable[[Path], int] = d
     if needed > free:
         raise DraftsmithError(
             f"the teacher store needs {size_text(needed)} but {folder} has {size_text(free)} free; free disk space, "
-            "point DRAFTSMITH_HOME at a larger disk, or store less (teacher_cache_dtype, teacher_top_k, fewer examples)"
+            "point DRAFTSMITH_HOME at a larger disk, or store less (teacher.cache_dtype, teacher.top_k, fewer examples)"
         )
 
 

@@ -32,19 +32,19 @@ def check_run_inputs(cfg: DistillConfig) -> None:
             f"output_dir={cfg.output_dir} is not empty and holds no run (no {RUN_CONFIG}); give a new folder, "
             "or a run folder to resume"
         )
-    folder = dataset_builder.built_folder(cfg.dataset)
-    if cfg.allow_incomplete and (folder is None or folder.parent == dataset_builder.SHIPPED):
+    folder = dataset_builder.built_folder(cfg.data.dataset)
+    if cfg.data.allow_incomplete and (folder is None or folder.parent == dataset_builder.SHIPPED):
         raise DraftsmithError(
-            f"allow_incomplete=true applies to a draftsmith data folder still being built; dataset={cfg.dataset} "
-            "is not one (a shipped dataset is complete): leave allow_incomplete out"
+            "data.allow_incomplete=true applies to a draftsmith data folder still being built; "
+            f"data.dataset={cfg.data.dataset} is not one (a shipped dataset is complete): leave data.allow_incomplete out"
         )
     if folder is not None:
-        dataset_builder.check_trusted(folder, cfg.target, cfg.allow_incomplete)
+        dataset_builder.check_trusted(folder, cfg.target, cfg.data.allow_incomplete)
     vocab = run_vocab_size(cfg)
-    if cfg.teacher_cache and vocab is not None and cfg.teacher_top_k > vocab:
+    if cfg.teacher.cache and vocab is not None and cfg.teacher.top_k > vocab:
         raise DraftsmithError(
-            f"teacher_top_k={cfg.teacher_top_k} is more than the target's vocabulary ({vocab} tokens); "
-            f"give teacher_top_k <= {vocab}"
+            f"teacher.top_k={cfg.teacher.top_k} is more than the target's vocabulary ({vocab} tokens); "
+            f"give teacher.top_k <= {vocab}"
         )
 
 

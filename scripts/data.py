@@ -139,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help="also store the target's K most likely tokens and their log-probs at every answer position "
-        "(teacher-cache-kK/ in the folder), so `distill dataset=FOLDER teacher_cache=true teacher_top_k=K` (or "
+        "(teacher-cache-kK/ in the folder), so `distill data.dataset=FOLDER teacher.cache=true teacher.top_k=K` (or "
         "less) reads them instead of running the target. Computed after the answers by the same engine: "
         "draftsmith's copy of the target, or vLLM's prompt log-probs (a server at --engine-url must allow K: "
         "its --max-logprobs); distill uses it when its teacher dtype is the one recorded. Rows added later are "
@@ -151,7 +151,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="I,J,...",
         help="with --teacher-cache K: also write a feature store (feature-store/ in the folder) holding the target's "
         "hidden states entering these layers at every position, for kinds that read them (EAGLE-3's aux layers; "
-        "the layer count itself: its output), so `distill dataset=FOLDER teacher_cache=true` runs no target. "
+        "the layer count itself: its output), so `distill data.dataset=FOLDER teacher.cache=true` runs no target. "
         "--engine vllm computes them with vLLM's extract_hidden_states method (default: none)",
     )
     p.add_argument("--max-length", type=int, default=256, help="--hidden-layers: rows cut as distill cuts them")

@@ -11,13 +11,18 @@ from draftsmith.train.loop import train
 
 EPILOG = """examples:
   draftsmith distill --config tiny
-  draftsmith distill --config smollm2-135m max_steps=200 loss=forward_kl output_dir=runs/fkl
+  draftsmith distill --config smollm2-135m optim.max_steps=200 loss.name=tvd output_dir=runs/tvd
+  draftsmith distill --config smollm2-135m-eagle3 draft.options.ttt_steps=2 optim.lr=3e-4
   draftsmith distill --config my-run.yaml
   accelerate launch --config_file configs/accelerate/ddp.yaml -m draftsmith.cli distill --config ...
 
 --config takes a YAML file or the name of a shipped config (tiny, smollm2-135m, smollm2-135m-early-exit).
-Any config field can be overridden with key=value. Re-running the same command resumes from the
-last complete checkpoint in output_dir."""
+A config groups its settings by what they configure: draft (kind, init, layers, options: the kind's
+own), data, generate (the target's answers), teacher, loss, optim, on_policy, save, log, eval, beside
+output_dir, target, device, seed and resume. Any setting can be overridden with its dotted name,
+section.key=value (a key inside a mapping too: draft.options.k=4); the flat keys of earlier configs
+(lr, draft_layers, kind_options, ...) still work, with a hint naming their place. Re-running the same
+command resumes from the last complete checkpoint in output_dir."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", default=None, help="YAML config file, or a shipped config's name (e.g. tiny); required")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides (e.g. optim.lr=1e-3 draft.layers=3)")
     return p
 
 

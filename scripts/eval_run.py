@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     cfg = load_run_config(run_dir)
     draft_options = parse_draft_options(args.draft_option)
-    kind_named(cfg.draft_kind).check_decode_options(draft_options)  # the run's kind, before anything loads
+    kind_named(cfg.draft.kind).check_decode_options(draft_options)  # the run's kind, before anything loads
     check_writable(run_dir, f"the run folder {run_dir} (the reports go there)", folder=True)
     gammas = check_measure_options(args, run_vocab_size(cfg), context=run_context(cfg))
     temperatures = parse_list(args.temperatures, float, "temperatures")

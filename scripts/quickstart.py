@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=MINUTES,
         help="training minutes (steps only; loading and measuring come on top): the run measures its step time "
-        "over its first steps and trains as many as fit, at most the config's max_steps, with its schedule and "
-        f"checkpoints spread over them; the config's max_minutes=... overrides it (default: {MINUTES:g})",
+        "over its first steps and trains as many as fit, at most the config's optim.max_steps, with its schedule and "
+        f"checkpoints spread over them; the config's optim.max_minutes=... overrides it (default: {MINUTES:g})",
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides of the distillation config")
     return p
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     check_writable(out, f"--output-dir {out}", folder=True)
     if not (args.minutes > 0 and math.isfinite(args.minutes)):
         raise DraftsmithError(f"--minutes must be a number of minutes > 0, got {args.minutes}")
-    given = any(item.startswith("max_minutes=") for item in args.overrides)
-    budget_minutes = [] if given else [f"max_minutes={args.minutes}"]
+    given = any(item.startswith(("optim.max_minutes=", "max_minutes=")) for item in args.overrides)
+    budget_minutes = [] if given else [f"optim.max_minutes={args.minutes}"]
     cfg = load_config(
         DistillConfig, config_path(args.config), [*budget_minutes, *args.overrides, f"output_dir={run_dir}"]
     )
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"[1/3] distilling a draft into {run_dir}")
     models = RunModels(cfg)  # the config and the target, loaded once for the three stages
-    plan = budget.load_plan(run_dir) if cfg.max_minutes is not None else None
-    last_step = plan.max_steps if plan is not None else cfg.max_steps
+    plan = budget.load_plan(run_dir) if cfg.optim.max_minutes is not None else None
+    last_step = plan.max_steps if plan is not None else cfg.optim.max_steps
     if not checkpoint.is_complete(run_dir / f"checkpoint-{last_step}"):
         trained = train(cfg)
         models.tokenizer = trained.tokenizer
@@ -110,7 +110,7 @@ def check_before_training(args: argparse.Namespace, cfg: DistillConfig, out: Pat
     the measuring options (the gammas are returned), and that ``out/draft`` may be replaced (it is
     new, empty, or a draft published there before, as ``publish --overwrite`` takes it)."""
     check_run_inputs(cfg)
-    kind_named(cfg.draft_kind).check_publishable()  # before training what could not be published
+    kind_named(cfg.draft.kind).check_publishable()  # before training what could not be published
     draft_dir, run_dir = out / "draft", Path(cfg.output_dir)
     check_output_folder(draft_dir, {"its run": run_dir}, overwrite=True, name=f"--output-dir {out}: {draft_dir}")
     gammas = check_measure_options(args, run_vocab_size(cfg), default_draft_vocab=DRAFT_VOCAB, context=run_context(cfg))

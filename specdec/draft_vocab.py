@@ -9,7 +9,7 @@ This changes nothing about exactness: ``q`` is still exactly the distribution th
 drawn from (zero outside the list), and the target verifies with its full vocabulary. The draft
 model itself keeps its full head, so any other serving stack loads it as is.
 ``draft_vocab.json`` in a run folder holds the ranking, counted on the training answers. A run
-trained with the same cut (``train_draft_vocab``) also writes the cut part of the ranking into each
+trained with the same cut (``draft.vocab``) also writes the cut part of the ranking into each
 checkpoint folder, so that a checkpoint decodes with the head it was trained with.
 """
 

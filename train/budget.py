@@ -1,8 +1,8 @@
 """A training budget in minutes: the run's length planned from the step speed it measures.
 
-With ``max_minutes`` a run trains its first steps (``PLAN_AFTER``), divides the budget by the
+With ``optim.max_minutes`` a run trains its first steps (``PLAN_AFTER``), divides the budget by the
 seconds those steps took, and from then on trains that many steps in all (never more than
-``max_steps``): its learning-rate schedule decays to that step, its checkpoints are spread over
+``optim.max_steps``): its learning-rate schedule decays to that step, its checkpoints are spread over
 it (``checkpoints`` of them) and held-out metrics are logged at least as often. So the same
 config takes about the same minutes on a fast and a slow machine, where a step count would take
 three times longer on one than on the other. Minutes count training steps only; the set-up, a
@@ -37,12 +37,13 @@ class Plan:
     step_seconds: float  # the measured seconds per step the plan divided by
 
     def settings(self) -> dict:
-        return {"max_steps": self.max_steps, "save_steps": self.save_steps, "log_steps": self.log_steps}
+        """The run settings the plan replaces, by their dotted names (``config.with_settings``)."""
+        return {"optim.max_steps": self.max_steps, "save.steps": self.save_steps, "log.steps": self.log_steps}
 
 
 def make_plan(minutes: float, step_seconds: float, done: int, max_steps: int, checkpoints: int, log_steps: int) -> Plan:
     """The plan for a budget of ``minutes`` at ``step_seconds`` a step, with ``done`` steps already
-    trained: as many steps as fit (at least one more than done, at most ``max_steps``),
+    trained: as many steps as fit (at least one more than done, at most ``optim.max_steps``),
     ``checkpoints`` of them evenly spaced, held-out logs no sparser than the checkpoints."""
     fitting = int(60 * minutes / step_seconds)
     total = min(max_steps, max(done + 1, fitting))
@@ -56,7 +57,9 @@ def timed_plan(cfg, step: int, step_seconds: list[float]) -> Plan | None:
     if len(step_seconds) < PLAN_AFTER + 1:
         return None
     per_step = sum(step_seconds[1:]) / (len(step_seconds) - 1)
-    return make_plan(cfg.max_minutes, per_step, step, cfg.max_steps, cfg.budget_checkpoints, cfg.log_steps)
+    return make_plan(
+        cfg.optim.max_minutes, per_step, step, cfg.optim.max_steps, cfg.optim.budget_checkpoints, cfg.log.steps
+    )
 
 
 def save_plan(run_dir: Path, plan: Plan) -> None:

@@ -9,7 +9,6 @@ place that decides what a usable checkpoint holds; resume, eval-run and publish 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -20,7 +19,7 @@ from draftsmith.distill.drafts import kind_of_folder, kind_of_model
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import replace, write_text
 from draftsmith.specdec.loading import same_model
-from draftsmith.train.config import DistillConfig
+from draftsmith.train.config import DistillConfig, flat_settings
 
 MARKER = "draftsmith.json"
 INITIAL = "initial"
@@ -97,57 +96,57 @@ def write_draft(model, state: dict | None, tokenizer, folder: Path, target_name:
 RESUME_KEYS = (
     "target",
     "tiny_target",
-    "draft_kind",
-    "draft_init",
-    "draft_layers",
-    "draft_config",
-    "kind_options",
-    "freeze_embeddings",
-    "data",
-    "dataset",
-    "dataset_config",
-    "max_samples",
-    "column_map",
-    "max_length",
-    "batch_size",
-    "grad_accum",
+    "draft.kind",
+    "draft.init",
+    "draft.layers",
+    "draft.config",
+    "draft.options",
+    "draft.freeze_embeddings",
+    "data.mode",
+    "data.dataset",
+    "data.config",
+    "data.max_samples",
+    "data.column_map",
+    "data.max_length",
+    "optim.batch_size",
+    "optim.grad_accum",
     "seed",
-    "heldout",
-    "gen_samples",
-    "on_policy_fraction",
-    "on_policy_refresh_steps",
-    "on_policy_pool",
-    "teacher_cache",
-    "teacher_top_k",
+    "data.heldout",
+    "generate.samples",
+    "on_policy.fraction",
+    "on_policy.refresh_steps",
+    "on_policy.pool",
+    "teacher.cache",
+    "teacher.top_k",
 )
 
 
 # Settings that shape the training itself: a resumed run with another value would mix two runs in one
 # metrics.jsonl, so a change is refused unless resume=force, and then recorded in RESUME_LOG.
 TRAINING_KEYS = (
-    "loss",
-    "loss_temperature",
-    "jsd_beta",
-    "loss_gamma",
-    "ce_weight",
-    "lr",
-    "weight_decay",
-    "warmup_steps",
-    "max_grad_norm",
-    "mixed_precision",
-    "teacher_dtype",
-    "gen_max_new_tokens",
-    "gen_temperature",
-    "gen_top_p",
-    "draft_model",
-    "lora_r",
-    "lora_alpha",
-    "lora_target_modules",
+    "loss.name",
+    "loss.temperature",
+    "loss.jsd_beta",
+    "loss.gamma",
+    "loss.ce_weight",
+    "optim.lr",
+    "optim.weight_decay",
+    "optim.warmup_steps",
+    "optim.max_grad_norm",
+    "optim.mixed_precision",
+    "teacher.dtype",
+    "generate.max_new_tokens",
+    "generate.temperature",
+    "generate.top_p",
+    "draft.model",
+    "draft.lora_r",
+    "draft.lora_alpha",
+    "draft.lora_target_modules",
 )
 RESUME_LOG = "resume_log.jsonl"  # one record per forced resume: the step and the settings changed
 
 
-MODEL_KEYS = ("target", "draft_model", "dataset")  # model or data specs: a path and a link to it are the same
+MODEL_KEYS = ("target", "draft.model", "data.dataset")  # model or data specs: a path and a link to it are the same
 
 
 def changed_settings(saved: dict, current: dict, keys: tuple[str, ...]) -> dict[str, list]:
@@ -177,17 +176,17 @@ def resume_point(run_dir: Path, cfg: DistillConfig, record: bool = True) -> tupl
     if not found:
         return None
     step, path = found[-1]
-    saved = json.loads((path / MARKER).read_text())["config"]
-    current = dataclasses.asdict(cfg)
+    saved = flat_settings(json.loads((path / MARKER).read_text())["config"])
+    current = flat_settings(cfg)
     fixed = changed_settings(saved, current, RESUME_KEYS)
     if fixed:
         raise DraftsmithError(
             f"{run_dir} holds a run made with a different config ({describe_changes(fixed)}); "
             "use another output_dir, or the same settings to resume"
         )
-    if step >= cfg.max_steps:
+    if step >= cfg.optim.max_steps:
         raise DraftsmithError(
-            f"{run_dir} already reached step {step} (max_steps={cfg.max_steps}); raise max_steps "
+            f"{run_dir} already reached step {step} (optim.max_steps={cfg.optim.max_steps}); raise optim.max_steps "
             "to train further or use another output_dir"
         )
     training = changed_settings(saved, current, TRAINING_KEYS)

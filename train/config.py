@@ -1,4 +1,11 @@
-"""The distillation run's config: one dataclass, from YAML plus ``key=value`` overrides, validated up front.
+"""The distillation run's config: sections of settings, from YAML plus overrides, validated up front.
+
+A config groups its settings by what they configure (``draft:``, ``data:``, ``generate:``, ``teacher:``,
+``loss:``, ``optim:``, ``on_policy:``, ``save:``, ``log:``, ``eval:``), beside the run's ``output_dir``,
+``target``, ``device``, ``seed`` and ``resume``. Overrides name a setting by its dotted path
+(``optim.lr=1e-3``, ``draft.layers=3``, ``draft.options.mask_token_id=0``). The flat keys of earlier
+configs (``lr``, ``draft_layers``, ``kind_options``, ...) are still read, each with a one-line hint
+naming its place (``LEGACY_KEYS``), so existing configs, overrides and run folders keep working.
 
 Every run saves its resolved config as ``config.yaml``; ``load_run_config`` reads it back through
 the same validation. ``--config`` takes a YAML path or the name of a config shipped in
@@ -11,6 +18,7 @@ import dataclasses
 import difflib
 import importlib.resources
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,18 +38,16 @@ RUN_CONFIG = "config.yaml"  # the resolved config inside every run folder
 
 
 @dataclass
-class DistillConfig:
-    output_dir: str = "runs/distill"  # run folder: checkpoints, metrics.jsonl, config.yaml
-    # models
-    target: str = "smollm2-135m-instruct"  # folder, .gguf, hub id, alias, or "tiny" (a random model from tiny_target)
-    tiny_target: dict = field(default_factory=dict)  # LlamaConfig fields for target "tiny"
-    draft_kind: str = "lm"  # lm (a standalone causal LM) | early_exit (the target's first k layers + exit head)
-    draft_init: str = "truncate"  # lm: truncate | config | pretrained
-    draft_layers: str = "2"  # truncate: a count ("2") or indices ("0,1,29"); early_exit: k, the shared layers
-    # the kind's own settings, checked by the kind (early_exit: {adapter: false} leaves out its adapter layer)
-    kind_options: dict = field(default_factory=dict)
-    draft_config: dict = field(default_factory=dict)  # config: fields overriding the target's config
-    draft_model: str | None = None  # pretrained: a small model with the target's tokenizer (folder, hub id, .gguf)
+class DraftSection:
+    """The draft: its kind and how it starts. ``options`` are the kind's own settings, checked by the kind."""
+
+    kind: str = "lm"  # lm | early_exit | eagle3 | parallel | dflash (draftsmith.distill.drafts)
+    init: str = "truncate"  # lm: truncate | config | pretrained
+    layers: str = "2"  # truncate: a count ("2") or indices ("0,1,29"); early_exit: k, the shared layers
+    # the kind's own settings (early_exit: {adapter: false} leaves out its adapter layer; eagle3: ttt_steps, ...)
+    options: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)  # init config: fields overriding the target's config
+    model: str | None = None  # init pretrained: a small model with the target's tokenizer (folder, hub id, .gguf)
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank instead of the full draft
     lora_alpha: int = 16
     lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -54,48 +60,79 @@ class DistillConfig:
     # such a q, against p renormalized over the N. Checkpoints carry the cut (draft_vocab.json), so eval,
     # eval-run and publish decode with it; held-out alpha is still measured against the full target.
     # 0 = the full head.
-    train_draft_vocab: int = 0
-    # data
-    data: str = "target"  # text | target
+    vocab: int = 0
+
+
+@dataclass
+class DataSection:
+    """What the draft trains on."""
+
+    mode: str = "target"  # target: the target answers the prompts | text: the dataset's own text
     # builtin, a shipped dataset (smollm2-self), a `draftsmith data` folder, a .jsonl/.json/.csv/.parquet/.txt
     # file, a save_to_disk folder, or a hub dataset
     dataset: str = "builtin"
-    dataset_split: str = "train"
-    dataset_config: str | None = None  # a hub dataset's config name
+    split: str = "train"
+    config: str | None = None  # a hub dataset's config name
     max_samples: int | None = None  # use the first this many rows of the dataset at most
     column_map: dict = field(default_factory=dict)  # field -> column, e.g. {prompt: question, completion: answer}
     skip_bad_rows: bool = False  # leave out rows without a usable prompt/text (counted) instead of stopping
     heldout: int = 8  # rows kept aside for the held-out acceptance rate
     max_length: int = 256
-    gen_max_new_tokens: int = 96  # target mode: answer length
-    gen_temperature: float = 0.0
-    gen_top_p: float = 1.0
-    gen_batch_size: int = 8
-    gen_samples: int = 1  # target mode: answers per training prompt (needs gen_temperature > 0 when > 1)
-    on_policy_fraction: float = 0.0  # lambda: share of micro-batches replaced by the draft's own answers
-    on_policy_refresh_steps: int = 50  # regenerate the draft's answers every this many steps
-    on_policy_pool: int = 32  # prompts answered by the draft at each refresh
+    # > 0: length-bucketed batches: the epoch's shuffled order is cut into windows of this many batches,
+    # each window sorted by length and cut into batches, the batches shuffled (a function of seed and
+    # epoch, so a resumed run sees the same batches); little padding. 0: plain shuffled batches
+    bucket_batches: int = 0
     # train on a `draftsmith data` folder whose build has not finished (its manifest says incomplete)
     allow_incomplete: bool = False
-    # teacher
-    teacher_device_map: str | None = None  # e.g. auto: spread the target over this process's GPUs
+
+
+@dataclass
+class GenerateSection:
+    """The target's answers to the training prompts (data.mode target)."""
+
+    max_new_tokens: int = 96
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 8
+    samples: int = 1  # answers per training prompt (needs temperature > 0 when > 1)
+
+
+@dataclass
+class OnPolicySection:
+    """Micro-batches of the draft's own answers, scored by the target."""
+
+    fraction: float = 0.0  # lambda: share of micro-batches replaced by the draft's own answers
+    refresh_steps: int = 50  # regenerate the draft's answers every this many steps
+    pool: int = 32  # prompts answered by the draft at each refresh
+
+
+@dataclass
+class TeacherSection:
+    """The target as teacher."""
+
+    device_map: str | None = None  # e.g. auto: spread the target over this process's GPUs
     # store the target's features once (top-k log-probs, the hidden states a kind reads): no target forward per step
-    teacher_cache: bool = False
-    teacher_top_k: int = 64
-    # the storage dtype of the target's hidden states in the teacher store (kinds that read them)
-    teacher_cache_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    cache: bool = False
+    top_k: int = 64
+    cache_dtype: str = "bfloat16"  # the stored hidden states' dtype: bfloat16 | float16 | float32
     # when the store is filled: before training, or by the first epoch's live forwards (read after it)
-    teacher_cache_fill: str = "before"  # before | first_epoch
+    cache_fill: str = "before"  # before | first_epoch
     # the target's dtype as teacher and answer generator: auto = bfloat16 on CUDA and on CPUs with native
     # bfloat16 (as eval measures it), else float32; a kind may keep float32 (early_exit drafts share its layers)
-    teacher_dtype: str = "auto"
-    # loss
-    loss: str = "tvd"  # forward_kl | reverse_kl | jsd | tvd | accepted_length
-    loss_temperature: float = 1.0
+    dtype: str = "auto"
+
+
+@dataclass
+class LossSection:
+    name: str = "tvd"  # forward_kl | reverse_kl | jsd | tvd | accepted_length
+    temperature: float = 1.0
     jsd_beta: float = 0.5
-    loss_gamma: int = 4  # accepted_length: positions per window
+    gamma: int = 4  # accepted_length: positions per window
     ce_weight: float = 0.0  # weight of hard-label cross-entropy mixed in
-    # optimization
+
+
+@dataclass
+class OptimSection:
     lr: float = 5e-4
     weight_decay: float = 0.0
     warmup_steps: int = 5
@@ -104,92 +141,135 @@ class DistillConfig:
     # max_steps) from the step time it measured, and decays its schedule to that step (train.budget);
     # None: max_steps steps
     max_minutes: float | None = None
-    budget_checkpoints: int = 3  # with max_minutes: checkpoints spread over the planned steps (save_steps unused)
+    budget_checkpoints: int = 3  # with max_minutes: checkpoints spread over the planned steps (save.steps unused)
     batch_size: int = 8  # sequences per process per micro-batch
     grad_accum: int = 1
-    # > 0: length-bucketed batches: the epoch's shuffled order is cut into windows of this many batches,
-    # each window sorted by length and cut into batches, the batches shuffled (a function of seed and
-    # epoch, so a resumed run sees the same batches); little padding. 0: plain shuffled batches
-    bucket_batches: int = 0
     max_grad_norm: float = 1.0
     mixed_precision: str = "no"  # no | bf16 | fp16 | auto (bf16 where the device has native bfloat16)
-    seed: int = 0
-    # bookkeeping
-    save_steps: int = 50
+
+
+@dataclass
+class SaveSection:
+    steps: int = 50  # a checkpoint every this many steps
     keep_last: int = 3
-    log_steps: int = 10  # held-out metrics, a console line and the trackers' record every this many steps
+
+
+@dataclass
+class LogSection:
+    steps: int = 10  # held-out metrics, a console line and the trackers' record every this many steps
     report_to: str = "none"  # none, or experiment trackers (accelerate log_with): tensorboard, wandb, trackio
-    eval_speedup_steps: int = 0  # > 0: every this many steps, measure real speedup on eval_prompts (main process)
-    eval_prompts: str = "builtin"  # prompts JSONL for that; builtin = distill/data/eval_prompts.jsonl
-    eval_limit: int = 4  # prompts used
-    eval_max_new_tokens: int = 48
-    eval_gammas: list = field(default_factory=lambda: [1, 2, 4])
+
+
+@dataclass
+class EvalSection:
+    """Real speedup measured during training (main process)."""
+
+    speedup_steps: int = 0  # > 0: every this many steps, measure real speedup on the prompts
+    prompts: str = "builtin"  # prompts JSONL; builtin = distill/data/eval_prompts.jsonl
+    limit: int = 4  # prompts used
+    max_new_tokens: int = 48
+    gammas: list = field(default_factory=lambda: [1, 2, 4])
+
+
+@dataclass
+class DistillConfig:
+    output_dir: str = "runs/distill"  # run folder: checkpoints, metrics.jsonl, config.yaml
+    target: str = "smollm2-135m-instruct"  # folder, .gguf, hub id, alias, or "tiny" (a random model from tiny_target)
+    tiny_target: dict = field(default_factory=dict)  # LlamaConfig fields for target "tiny"
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps | xpu
+    seed: int = 0
     # resuming with a changed training setting (loss, lr, ...) is refused; force accepts it and records it
     resume: str = "auto"  # auto | force
+    draft: DraftSection = field(default_factory=DraftSection)
+    data: DataSection = field(default_factory=DataSection)
+    generate: GenerateSection = field(default_factory=GenerateSection)
+    on_policy: OnPolicySection = field(default_factory=OnPolicySection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
+    loss: LossSection = field(default_factory=LossSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    save: SaveSection = field(default_factory=SaveSection)
+    log: LogSection = field(default_factory=LogSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     def __post_init__(self) -> None:
+        d, data, gen, pol, t, loss, o = (
+            self.draft,
+            self.data,
+            self.generate,
+            self.on_policy,
+            self.teacher,
+            self.loss,
+            self.optim,
+        )
         checks = [
-            (self.lora_r >= 0, "lora_r must be >= 0"),
-            (self.train_draft_vocab >= 0, "train_draft_vocab must be >= 0 (0 = the full head)"),
-            (self.teacher_top_k >= 1, "teacher_top_k must be >= 1"),
+            (d.lora_r >= 0, "draft.lora_r must be >= 0"),
+            (d.vocab >= 0, "draft.vocab must be >= 0 (0 = the full head)"),
+            (t.top_k >= 1, "teacher.top_k must be >= 1"),
             (
-                self.teacher_cache_dtype in ("bfloat16", "float16", "float32"),
-                f"teacher_cache_dtype must be bfloat16, float16 or float32, got {self.teacher_cache_dtype!r}",
+                t.cache_dtype in ("bfloat16", "float16", "float32"),
+                f"teacher.cache_dtype must be bfloat16, float16 or float32, got {t.cache_dtype!r}",
             ),
             (
-                self.teacher_cache_fill in ("before", "first_epoch"),
-                f"teacher_cache_fill must be before or first_epoch, got {self.teacher_cache_fill!r}",
+                t.cache_fill in ("before", "first_epoch"),
+                f"teacher.cache_fill must be before or first_epoch, got {t.cache_fill!r}",
             ),
-            (self.eval_speedup_steps >= 0, "eval_speedup_steps must be >= 0"),
             (
-                bool(self.eval_gammas) and all(isinstance(g, int) and g >= 1 for g in self.eval_gammas),
-                "eval_gammas must be a list of integers >= 1",
+                t.dtype in ("auto", "float32", "bfloat16", "float16"),
+                "teacher.dtype must be auto, float32, bfloat16 or float16",
             ),
-            (0 <= self.on_policy_fraction <= 1, "on_policy_fraction must be in [0, 1]"),
-            (self.on_policy_refresh_steps >= 1, "on_policy_refresh_steps must be >= 1"),
-            (self.on_policy_pool >= 1, "on_policy_pool must be >= 1"),
+            (self.eval.speedup_steps >= 0, "eval.speedup_steps must be >= 0"),
             (
-                self.on_policy_fraction == 0 or not self.teacher_cache,
-                "on_policy_fraction > 0 needs the live target (teacher_cache: false): draft answers are new text",
+                bool(self.eval.gammas) and all(isinstance(g, int) and g >= 1 for g in self.eval.gammas),
+                "eval.gammas must be a list of integers >= 1",
             ),
-            (self.data in ("text", "target"), "data must be text or target"),
-            (self.loss in LOSSES, f"loss must be one of {', '.join(LOSSES)}"),
-            (self.max_steps >= 1, "max_steps must be >= 1"),
+            (self.eval.limit >= 1, f"eval.limit must be >= 1 (prompts measured in training), got {self.eval.limit}"),
+            (self.eval.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1, got {self.eval.max_new_tokens}"),
+            (0 <= pol.fraction <= 1, "on_policy.fraction must be in [0, 1]"),
+            (pol.refresh_steps >= 1, "on_policy.refresh_steps must be >= 1"),
+            (pol.pool >= 1, "on_policy.pool must be >= 1"),
             (
-                self.max_minutes is None
-                or (isinstance(self.max_minutes, (int, float)) and 0 < self.max_minutes < float("inf")),
-                f"max_minutes must be a number of minutes > 0 (or null for max_steps alone), got {self.max_minutes!r}",
+                pol.fraction == 0 or not t.cache,
+                "on_policy.fraction > 0 needs the live target (teacher.cache: false): draft answers are new text",
             ),
-            (self.budget_checkpoints >= 1, "budget_checkpoints must be >= 1"),
-            (self.save_steps >= 1, "save_steps must be >= 1"),
-            (self.keep_last >= 1, "keep_last must be >= 1"),
-            (self.log_steps >= 1, "log_steps must be >= 1"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.grad_accum >= 1, "grad_accum must be >= 1"),
-            (self.bucket_batches >= 0, "bucket_batches must be >= 0 (0 = plain shuffled batches)"),
-            (self.lr > 0, "lr must be > 0"),
-            (self.max_length >= 8, "max_length must be >= 8"),
-            (self.loss_temperature > 0, "loss_temperature must be > 0"),
-            (0 < self.jsd_beta < 1, "jsd_beta must be in (0, 1)"),
-            (self.loss_gamma >= 1, "loss_gamma must be >= 1"),
-            (0 <= self.ce_weight <= 1, "ce_weight must be in [0, 1]"),
-            (self.mixed_precision in ("no", "bf16", "fp16", "auto"), "mixed_precision must be no, bf16, fp16 or auto"),
+            (data.mode in ("text", "target"), "data.mode must be text or target"),
+            (data.heldout >= 1, "data.heldout must be >= 1"),
+            (data.max_length >= 8, "data.max_length must be >= 8"),
+            (data.bucket_batches >= 0, "data.bucket_batches must be >= 0 (0 = plain shuffled batches)"),
             (
-                self.teacher_dtype in ("auto", "float32", "bfloat16", "float16"),
-                "teacher_dtype must be auto, float32, bfloat16 or float16",
+                data.max_samples is None or data.max_samples >= 1,
+                "data.max_samples must be >= 1 (or left empty for all)",
             ),
-            (self.heldout >= 1, "heldout must be >= 1"),
-            (self.gen_samples >= 1, "gen_samples must be >= 1"),
-            (self.gen_batch_size >= 1, f"gen_batch_size must be >= 1, got {self.gen_batch_size}"),
-            (self.eval_limit >= 1, f"eval_limit must be >= 1 (prompts measured in training), got {self.eval_limit}"),
-            (self.eval_max_new_tokens >= 1, f"eval_max_new_tokens must be >= 1, got {self.eval_max_new_tokens}"),
+            (gen.samples >= 1, "generate.samples must be >= 1"),
+            (gen.batch_size >= 1, f"generate.batch_size must be >= 1, got {gen.batch_size}"),
             (
-                self.gen_samples == 1 or self.gen_temperature > 0,
-                "gen_samples > 1 needs gen_temperature > 0 (greedy answers would all be the same)",
+                gen.samples == 1 or gen.temperature > 0,
+                "generate.samples > 1 needs generate.temperature > 0 (greedy answers would all be the same)",
             ),
-        ]
-        checks += [
+            (loss.name in LOSSES, f"loss.name must be one of {', '.join(LOSSES)}"),
+            (loss.temperature > 0, "loss.temperature must be > 0"),
+            (0 < loss.jsd_beta < 1, "loss.jsd_beta must be in (0, 1)"),
+            (loss.gamma >= 1, "loss.gamma must be >= 1"),
+            (0 <= loss.ce_weight <= 1, "loss.ce_weight must be in [0, 1]"),
+            (o.max_steps >= 1, "optim.max_steps must be >= 1"),
+            (
+                o.max_minutes is None or (isinstance(o.max_minutes, (int, float)) and 0 < o.max_minutes < float("inf")),
+                f"optim.max_minutes must be minutes > 0 (or null for optim.max_steps alone), got {o.max_minutes!r}",
+            ),
+            (o.budget_checkpoints >= 1, "optim.budget_checkpoints must be >= 1"),
+            (o.batch_size >= 1, "optim.batch_size must be >= 1"),
+            (o.grad_accum >= 1, "optim.grad_accum must be >= 1"),
+            (o.lr > 0, "optim.lr must be > 0"),
+            (
+                o.mixed_precision in ("no", "bf16", "fp16", "auto"),
+                "optim.mixed_precision must be no, bf16, fp16 or auto",
+            ),
+            (self.save.steps >= 1, "save.steps must be >= 1"),
+            (self.save.keep_last >= 1, "save.keep_last must be >= 1"),
+            (self.log.steps >= 1, "log.steps must be >= 1"),
+            (
+                all(name in TRACKERS for name in self.log.report_to.split(",")),
+                f"log.report_to must be none or a comma-separated list of {', '.join(TRACKERS[1:])}",
+            ),
             (
                 re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None,
                 f"device must be auto, cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
@@ -199,46 +279,123 @@ class DistillConfig:
                 f"output_dir {self.output_dir} is an existing file; give a folder path (new, or a run to resume)",
             ),
             (self.resume in ("auto", "force"), "resume must be auto or force"),
-            (self.max_samples is None or self.max_samples >= 1, "max_samples must be >= 1 (or left empty for all)"),
-            (
-                all(name in TRACKERS for name in self.report_to.split(",")),
-                f"report_to must be none or a comma-separated list of {', '.join(TRACKERS[1:])}",
-            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise DraftsmithError(f"config: {message}")
         try:
-            kind_named(self.draft_kind).check(draft_settings(self))
+            kind_named(d.kind).check(draft_settings(self))
         except DraftsmithError as err:
             raise DraftsmithError(f"config: {err}") from err
 
 
 def draft_settings(cfg: DistillConfig) -> DraftSettings:
-    """The config's draft fields, as the drafter kinds take them."""
+    """The config's draft section (and what the kinds read beside it), as the drafter kinds take them."""
+    d = cfg.draft
     return DraftSettings(
-        kind=cfg.draft_kind,
-        init=cfg.draft_init,
-        layers=cfg.draft_layers,
-        config=cfg.draft_config,
-        model=cfg.draft_model,
-        lora_r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_target_modules=tuple(cfg.lora_target_modules),
-        freeze_embeddings=cfg.freeze_embeddings,
-        options=cfg.kind_options,
-        train_draft_vocab=cfg.train_draft_vocab,
-        teacher_dtype=cfg.teacher_dtype,
-        loss=cfg.loss,
+        kind=d.kind,
+        init=d.init,
+        layers=d.layers,
+        config=d.config,
+        model=d.model,
+        lora_r=d.lora_r,
+        lora_alpha=d.lora_alpha,
+        lora_target_modules=tuple(d.lora_target_modules),
+        freeze_embeddings=d.freeze_embeddings,
+        options=d.options,
+        train_draft_vocab=d.vocab,
+        teacher_dtype=cfg.teacher.dtype,
+        loss=cfg.loss.name,
     )
 
 
+# The flat keys of earlier configs and where each setting lives now.
+LEGACY_KEYS = {
+    "draft_kind": "draft.kind",
+    "draft_init": "draft.init",
+    "draft_layers": "draft.layers",
+    "kind_options": "draft.options",
+    "draft_config": "draft.config",
+    "draft_model": "draft.model",
+    "lora_r": "draft.lora_r",
+    "lora_alpha": "draft.lora_alpha",
+    "lora_target_modules": "draft.lora_target_modules",
+    "freeze_embeddings": "draft.freeze_embeddings",
+    "train_draft_vocab": "draft.vocab",
+    "data": "data.mode",
+    "dataset": "data.dataset",
+    "dataset_split": "data.split",
+    "dataset_config": "data.config",
+    "max_samples": "data.max_samples",
+    "column_map": "data.column_map",
+    "skip_bad_rows": "data.skip_bad_rows",
+    "heldout": "data.heldout",
+    "max_length": "data.max_length",
+    "bucket_batches": "data.bucket_batches",
+    "allow_incomplete": "data.allow_incomplete",
+    "gen_max_new_tokens": "generate.max_new_tokens",
+    "gen_temperature": "generate.temperature",
+    "gen_top_p": "generate.top_p",
+    "gen_batch_size": "generate.batch_size",
+    "gen_samples": "generate.samples",
+    "on_policy_fraction": "on_policy.fraction",
+    "on_policy_refresh_steps": "on_policy.refresh_steps",
+    "on_policy_pool": "on_policy.pool",
+    "teacher_device_map": "teacher.device_map",
+    "teacher_cache": "teacher.cache",
+    "teacher_top_k": "teacher.top_k",
+    "teacher_cache_dtype": "teacher.cache_dtype",
+    "teacher_cache_fill": "teacher.cache_fill",
+    "teacher_dtype": "teacher.dtype",
+    "loss": "loss.name",
+    "loss_temperature": "loss.temperature",
+    "jsd_beta": "loss.jsd_beta",
+    "loss_gamma": "loss.gamma",
+    "ce_weight": "loss.ce_weight",
+    **{
+        name: f"optim.{name}"
+        for name in (
+            "lr",
+            "weight_decay",
+            "warmup_steps",
+            "max_steps",
+            "max_minutes",
+            "budget_checkpoints",
+            "batch_size",
+            "grad_accum",
+            "max_grad_norm",
+            "mixed_precision",
+        )
+    },
+    "save_steps": "save.steps",
+    "keep_last": "save.keep_last",
+    "log_steps": "log.steps",
+    "report_to": "log.report_to",
+    "eval_speedup_steps": "eval.speedup_steps",
+    "eval_prompts": "eval.prompts",
+    "eval_limit": "eval.limit",
+    "eval_max_new_tokens": "eval.max_new_tokens",
+    "eval_gammas": "eval.gammas",
+}
+
+
+def setting_types(cls=DistillConfig) -> dict[str, object]:
+    """{dotted name: type} of every setting: ``output_dir``, ``draft.kind``, ``optim.lr``, ..."""
+    types_: dict[str, object] = {}
+    for name, kind in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(kind):
+            types_.update({f"{name}.{sub}": t for sub, t in typing.get_type_hints(kind).items()})
+        else:
+            types_[name] = kind
+    return types_
+
+
 def _coerce(name: str, kind, value):
-    """Turn a YAML value or a command-line string into the field's type, or say which field is wrong."""
+    """Turn a YAML value or a command-line string into the setting's type, or say which setting is wrong."""
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
-        if value is None:  # an optional field left empty (as a saved config writes it)
-            return None
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+            return None  # an optional setting left empty (as a saved config writes it)
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
     try:
         if kind is bool:
@@ -249,41 +406,159 @@ def _coerce(name: str, kind, value):
             return bool(value)
         if kind in (dict, list):
             value = yaml.safe_load(value) if isinstance(value, str) else value
+            if value is None:
+                value = kind()
             if not isinstance(value, kind):
                 raise ValueError
             return value
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
+        if kind in (int, float) and isinstance(value, bool):
+            raise ValueError
         return kind(value)
     except (TypeError, ValueError) as err:
-        raise DraftsmithError(f"config field {name!r}: {value!r} is not a valid {kind.__name__}") from err
+        raise DraftsmithError(f"config {name}: {value!r} is not a valid {kind.__name__}") from err
 
 
-def load_config(cls, path: str | None, overrides: list[str]):
-    """Build ``cls`` from an optional YAML file and ``key=value`` overrides; unknown keys are refused,
-    in nested sections too (``check_sections``)."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values: dict = {}
+class _Settings:
+    """Settings gathered by dotted name from a file and overrides, old flat keys mapped (with a hint)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.types = setting_types()
+        self.values: dict[str, object] = {}
+        self.entries: dict[str, dict[str, object]] = {}  # draft.options.x=...: keys set inside a mapping
+        self.quiet = quiet
+        self.moved: dict[str, dict[str, str]] = {}  # where -> {old flat key: dotted name}, for one hint each
+
+    def known(self) -> set[str]:
+        return set(self.types) | set(LEGACY_KEYS)
+
+    def name(self, key: str, where: str) -> str:
+        """The dotted name a key given as ``key`` stands for; old flat keys are mapped with a hint."""
+        if key in self.types:
+            return key
+        if key in LEGACY_KEYS:
+            self.moved.setdefault(where, {})[key] = LEGACY_KEYS[key]
+            return LEGACY_KEYS[key]
+        close = [LEGACY_KEYS.get(name, name) for name in difflib.get_close_matches(key, self.known(), n=1)]
+        hint = (
+            f"did you mean {close[0]}?" if close else "see the settings of a shipped config: draftsmith distill --help"
+        )
+        raise DraftsmithError(f"{where}unknown config key {key!r} ({hint})")
+
+    def read_file(self, path: str, mapping: dict) -> None:
+        where = f"{path}: "
+        sections = {name.split(".")[0] for name in self.types if "." in name}
+        for key, value in mapping.items():
+            if key in sections and (isinstance(value, dict) or value is None):
+                for sub, item in (value or {}).items():
+                    name = f"{key}.{sub}"
+                    if name not in self.types:
+                        close = difflib.get_close_matches(name, self.types, n=1)
+                        hint = f"did you mean {close[0]}?" if close else f"{key} has: {self._section(key)}"
+                        raise DraftsmithError(f"{where}unknown config key {name!r} ({hint})")
+                    if name in self.values:
+                        raise DraftsmithError(f"{where}{name} is set twice (flat and in its section); keep one")
+                    self.values[name] = item
+            elif key in sections and key not in LEGACY_KEYS:
+                raise DraftsmithError(f"{where}{key} must be a mapping of its settings ({self._section(key)})")
+            else:
+                name = self.name(key, where)
+                if name in self.values:
+                    raise DraftsmithError(f"{where}{key} and {name} set the same setting; keep one")
+                self.values[name] = value
+
+    def _section(self, section: str) -> str:
+        return ", ".join(n.split(".", 1)[1] for n in self.types if n.startswith(section + "."))
+
+    def override(self, item: str, given: set[str]) -> None:
+        if "=" not in item:
+            raise DraftsmithError(f"override {item!r} must look like key=value (e.g. optim.lr=1e-3)")
+        key, value = item.split("=", 1)
+        inner = None
+        if key not in self.types and key not in LEGACY_KEYS:  # draft.options.mask_token_id: a key in a mapping
+            for name, kind in self.types.items():
+                if kind is dict and key.startswith(name + "."):
+                    key, inner = name, key[len(name) + 1 :]
+                    break
+        name = self.name(key, "overrides: ")
+        full = f"{name}.{inner}" if inner else name
+        if full in given:
+            raise DraftsmithError(f"override {full}= is given twice; keep one")
+        given.add(full)
+        if inner:
+            self.entries.setdefault(name, {})[inner] = yaml.safe_load(value) if value else value
+        else:
+            self.values[name] = value
+
+    def hint(self) -> None:
+        """One line per source of old flat keys, naming where each now lives."""
+        for where, moved in self.moved.items():
+            if moved and not self.quiet:
+                pairs = ", ".join(f"{old} -> {new}" for old, new in moved.items())
+                print(f"config: {where}old flat keys, still read; their grouped names: {pairs}", file=sys.stderr)
+
+    def build(self) -> DistillConfig:
+        coerced = {name: _coerce(name, self.types[name], value) for name, value in self.values.items()}
+        for name, entries in self.entries.items():
+            coerced[name] = {**coerced.get(name, {}), **entries}
+        check_sections(coerced)
+        top: dict[str, object] = {}
+        sections: dict[str, dict] = {}
+        for name, value in coerced.items():
+            if "." in name:
+                section, sub = name.split(".", 1)
+                sections.setdefault(section, {})[sub] = value
+            else:
+                top[name] = value
+        hints = typing.get_type_hints(DistillConfig)
+        built = {section: hints[section](**values) for section, values in sections.items()}
+        return DistillConfig(**top, **built)
+
+
+def load_config(cls, path: str | None, overrides: list[str], quiet: bool = False) -> DistillConfig:
+    """A ``DistillConfig`` from an optional YAML file and ``key=value`` overrides (dotted names, or the old
+    flat keys with a hint on stderr unless ``quiet``); unknown keys are refused, in nested mappings too
+    (``check_sections``)."""
+    if cls is not DistillConfig:
+        raise TypeError(f"load_config builds DistillConfig, not {cls.__name__}")
+    settings = _Settings(quiet)
     if path is not None:
-        for key, value in read_yaml(Path(path)).items():
-            if key not in fields:
-                raise DraftsmithError(f"{path}: unknown config key {key!r} ({known_hint(key, fields)})")
-            values[key] = value
+        settings.read_file(path, read_yaml(Path(path)))
     given: set[str] = set()
     for item in overrides:
-        if "=" not in item:
-            raise DraftsmithError(f"override {item!r} must look like key=value")
-        key, value = item.split("=", 1)
-        if key not in fields:
-            raise DraftsmithError(f"unknown config key {key!r} in override ({known_hint(key, fields)})")
-        if key in given:
-            raise DraftsmithError(f"override {key}= is given twice; keep one")
-        given.add(key)
-        values[key] = value
-    values = {k: _coerce(k, hints[k], v) for k, v in values.items()}
-    check_sections(values)
-    return cls(**values)
+        settings.override(item, given)
+    settings.hint()
+    return settings.build()
+
+
+SECTIONS = tuple(name for name, kind in typing.get_type_hints(DistillConfig).items() if dataclasses.is_dataclass(kind))
+
+
+def flat_settings(config: DistillConfig | dict) -> dict[str, object]:
+    """{dotted name: value} of a config, or of a saved config's mapping (grouped, or the old flat keys)."""
+    mapping = dataclasses.asdict(config) if isinstance(config, DistillConfig) else config
+    flat: dict[str, object] = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict) and key in SECTIONS:
+            flat.update({f"{key}.{sub}": item for sub, item in value.items()})
+        else:
+            flat[LEGACY_KEYS.get(key, key)] = value
+    return flat
+
+
+def with_settings(config: DistillConfig, values: dict[str, object]) -> DistillConfig:
+    """A copy of ``config`` with the settings named by dotted name in ``values`` replaced (and checked)."""
+    changes: dict[str, dict] = {}
+    top = {}
+    for name, value in values.items():
+        section, _, sub = name.partition(".")
+        if sub:
+            changes.setdefault(section, {})[sub] = value
+        else:
+            top[name] = value
+    sections = {name: dataclasses.replace(getattr(config, name), **subs) for name, subs in changes.items()}
+    return dataclasses.replace(config, **top, **sections)
 
 
 def read_yaml(file: Path) -> dict:
@@ -326,7 +601,7 @@ def known_hint(key: str, known: set[str]) -> str:
 
 
 def check_sections(values: dict) -> None:
-    """Unknown keys inside the nested sections whose keys are known without loading a model."""
+    """Unknown keys inside the nested mappings whose keys are known without loading a model."""
     if "tiny_target" in values:
         known = set(LlamaConfig().to_dict())
         for key in values["tiny_target"]:
@@ -334,23 +609,23 @@ def check_sections(values: dict) -> None:
                 raise DraftsmithError(
                     f"config tiny_target: unknown LlamaConfig field {key!r} ({known_hint(key, known)})"
                 )
-    if "column_map" in values:
+    if "data.column_map" in values:
         known = {*ROW_FIELDS, "category"}
-        for key in values["column_map"]:
+        for key in values["data.column_map"]:
             if key not in known:
-                raise DraftsmithError(f"config column_map: unknown field {key!r} ({known_hint(key, known)})")
+                raise DraftsmithError(f"config data.column_map: unknown field {key!r} ({known_hint(key, known)})")
 
 
-def save_config(config, path: Path) -> None:
+def save_config(config: DistillConfig, path: Path) -> None:
     write_text(path, yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
 
 
 def load_run_config(run_dir: Path) -> DistillConfig:
-    """The validated config a run was made with (its ``config.yaml``)."""
+    """The validated config a run was made with (its ``config.yaml``; a run saved with the old flat keys too)."""
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
         raise DraftsmithError(f"{run_dir} is not a distillation run folder (no {RUN_CONFIG})")
-    return load_config(DistillConfig, str(path), [])
+    return load_config(DistillConfig, str(path), [], quiet=True)
 
 
 def shipped_configs() -> list[str]:

@@ -44,7 +44,7 @@ class RunEvalSettings:
     force: measure again drafts already in the report.
     device, dtype: where and in what the pair runs (None: the default of the device).
     draft_vocab_size: decode with the draft's head cut to the N tokens most frequent in the training
-        answers (0: the full head); None: the cut the run trained with (its ``train_draft_vocab``).
+        answers (0: the full head); None: the cut the run trained with (its ``draft.vocab``).
     pace: the measurement at the best gamma pauses drafting for a sequence where it does not pay
         (``DecodeOptions.pace``), as draftsmith's decoder does by default.
     draft_options: the draft kind's decode options (``DecodeOptions.draft_options``), checked by the kind.
@@ -81,7 +81,7 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
     models: the run's config and target when the caller has them loaded (``quickstart``)."""
     models = models or RunModels.for_run(run_dir)
     cfg = models.cfg
-    draft_vocab_size = cfg.train_draft_vocab if settings.draft_vocab_size is None else settings.draft_vocab_size
+    draft_vocab_size = cfg.draft.vocab if settings.draft_vocab_size is None else settings.draft_vocab_size
     drafts = checkpoint.drafts_of_run(run_dir)
     if not drafts:
         raise DraftsmithError(f"{run_dir} has no checkpoints yet (no initial/ or checkpoint-*/ folders)")

@@ -33,34 +33,39 @@ def build_examples(
     """(train examples, held-out examples). The first ``heldout`` rows (after a seeded shuffle) are held out.
 
     In ``target`` mode the held-out prompts get the target's greedy answers (what greedy decoding
-    will face), the training prompts ``gen_samples`` answers each with the generation settings.
+    will face), the training prompts ``generate.samples`` answers each with the generation settings.
     """
-    folder = dataset_builder.built_folder(cfg.dataset)
+    folder = dataset_builder.built_folder(cfg.data.dataset)
     if folder is not None:
         return built_examples(cfg, folder)
-    rows = ddata.load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config)
-    rows = ddata.map_columns(rows, cfg.column_map, cfg.dataset)
-    if cfg.max_samples is not None:
-        rows = rows.select(range(min(cfg.max_samples, len(rows))))
-    rows = ddata.usable_rows(rows, cfg.data, cfg.dataset, cfg.skip_bad_rows)
-    if len(rows) <= cfg.heldout:
-        raise DraftsmithError(f"dataset {cfg.dataset} has {len(rows)} rows; need more than heldout={cfg.heldout}")
+    rows = ddata.load_rows(cfg.data.dataset, cfg.data.split, cfg.data.config)
+    rows = ddata.map_columns(rows, cfg.data.column_map, cfg.data.dataset)
+    if cfg.data.max_samples is not None:
+        rows = rows.select(range(min(cfg.data.max_samples, len(rows))))
+    rows = ddata.usable_rows(rows, cfg.data.mode, cfg.data.dataset, cfg.data.skip_bad_rows)
+    if len(rows) <= cfg.data.heldout:
+        raise DraftsmithError(
+            f"dataset {cfg.data.dataset} has {len(rows)} rows; need more than heldout={cfg.data.heldout}"
+        )
     rows = rows.shuffle(seed=cfg.seed)
-    held_rows, train_rows = rows.select(range(cfg.heldout)), rows.select(range(cfg.heldout, len(rows)))
-    if cfg.data == "text":
-        held = ddata.text_examples(held_rows, tokenizer, cfg.max_length)
-        train_examples = ddata.text_examples(train_rows, tokenizer, cfg.max_length)
+    held_rows, train_rows = rows.select(range(cfg.data.heldout)), rows.select(range(cfg.data.heldout, len(rows)))
+    if cfg.data.mode == "text":
+        held = ddata.text_examples(held_rows, tokenizer, cfg.data.max_length)
+        train_examples = ddata.text_examples(train_rows, tokenizer, cfg.data.max_length)
     else:
         held_prompts = encode_prompts(cfg, target, tokenizer, held_rows)
-        train_prompts = [p for p in encode_prompts(cfg, target, tokenizer, train_rows) for _ in range(cfg.gen_samples)]
+        train_prompts = [
+            p for p in encode_prompts(cfg, target, tokenizer, train_rows) for _ in range(cfg.generate.samples)
+        ]
         with accelerator.main_process_first():  # the main process generates, the others read the saved sets
             held_answers = target_answers(cfg, target, tokenizer, held_prompts, SamplingParams(), accelerator)
             train_answers = target_answers(cfg, target, tokenizer, train_prompts, generation(cfg), accelerator)
-        held = ddata.target_examples(held_prompts, held_answers, cfg.max_length)
-        train_examples = ddata.target_examples(train_prompts, train_answers, cfg.max_length)
+        held = ddata.target_examples(held_prompts, held_answers, cfg.data.max_length)
+        train_examples = ddata.target_examples(train_prompts, train_answers, cfg.data.max_length)
     if not held or not train_examples:
         raise DraftsmithError(
-            f"no usable {'held-out' if not held else 'training'} examples in {cfg.dataset} (rows with tokens to learn)"
+            f"no usable {'held-out' if not held else 'training'} examples in {cfg.data.dataset} "
+            "(rows with tokens to learn)"
         )
     return train_examples, held
 
@@ -69,32 +74,34 @@ def built_examples(cfg: DistillConfig, folder: Path) -> tuple[list[dict], list[d
     """(train, held-out) examples of a dataset folder written by ``draftsmith data``: the target's
     answers are already there, so nothing is generated. The first ``heldout`` rows after a seeded
     shuffle are held out (their answers were sampled with the dataset's own settings)."""
-    dataset_builder.check_trusted(folder, cfg.target, cfg.allow_incomplete)
-    examples = dataset_builder.training_examples(folder, cfg.max_length)
-    if cfg.max_samples is not None:
-        examples = examples[: cfg.max_samples]
+    dataset_builder.check_trusted(folder, cfg.target, cfg.data.allow_incomplete)
+    examples = dataset_builder.training_examples(folder, cfg.data.max_length)
+    if cfg.data.max_samples is not None:
+        examples = examples[: cfg.data.max_samples]
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     examples = [examples[i] for i in order]
-    if len(examples) <= cfg.heldout:
-        raise DraftsmithError(f"dataset {folder} has {len(examples)} usable rows; need more than heldout={cfg.heldout}")
-    return examples[cfg.heldout :], examples[: cfg.heldout]
+    if len(examples) <= cfg.data.heldout:
+        raise DraftsmithError(
+            f"dataset {folder} has {len(examples)} usable rows; need more than heldout={cfg.data.heldout}"
+        )
+    return examples[cfg.data.heldout :], examples[: cfg.data.heldout]
 
 
 def generation(cfg: DistillConfig) -> SamplingParams:
     """How the target answers training prompts, and the draft its on-policy ones."""
-    return SamplingParams(cfg.gen_temperature, 0, cfg.gen_top_p)
+    return SamplingParams(cfg.generate.temperature, 0, cfg.generate.top_p)
 
 
 def encode_prompts(cfg: DistillConfig, target: PreTrainedModel, tokenizer, rows) -> list[list[int]]:
     """Chat-encoded prompts of ``rows``; prompts that leave no room for the answer are refused."""
-    context = min(cfg.max_length, target.config.max_position_embeddings)
-    prompts = ddata.encode_prompt_rows(rows, tokenizer, cfg.dataset)
-    too_long = [len(p) for p in prompts if len(p) + cfg.gen_max_new_tokens > context]
+    context = min(cfg.data.max_length, target.config.max_position_embeddings)
+    prompts = ddata.encode_prompt_rows(rows, tokenizer, cfg.data.dataset)
+    too_long = [len(p) for p in prompts if len(p) + cfg.generate.max_new_tokens > context]
     if too_long:
         raise DraftsmithError(
             f"{len(too_long)} prompts are too long: the longest has {max(too_long)} tokens, which with "
-            f"gen_max_new_tokens={cfg.gen_max_new_tokens} exceeds max_length / context ({context}); raise "
-            "max_length or lower gen_max_new_tokens"
+            f"generate.max_new_tokens={cfg.generate.max_new_tokens} exceeds max_length / context ({context}); raise "
+            "max_length or lower generate.max_new_tokens"
         )
     return prompts
 
@@ -109,7 +116,9 @@ def target_answers(
 ) -> list[list[int]]:
     """The target's answers to ``prompts``, generated once and cached under DRAFTSMITH_HOME."""
     eos = eos_token_ids(target, tokenizer)
-    answering = ddata.Answering(cfg.gen_max_new_tokens, sampling, eos, batch_size=cfg.gen_batch_size, seed=cfg.seed)
+    answering = ddata.Answering(
+        cfg.generate.max_new_tokens, sampling, eos, batch_size=cfg.generate.batch_size, seed=cfg.seed
+    )
     root = draftsmith_home() / "data"
     return ddata.cached_target_responses(
         root, target_name(cfg), target, prompts, answering, progress=accelerator.is_main_process
@@ -162,23 +171,23 @@ class LengthBucketSampler(BatchSampler):
 
 
 def loaders(cfg: DistillConfig, train_examples: list[dict], heldout: list[dict], pad: int) -> tuple[DataLoader, ...]:
-    """(training loader, shuffled per epoch with the run's seed, length-bucketed with ``bucket_batches``;
+    """(training loader, shuffled per epoch with the run's seed, length-bucketed with ``data.bucket_batches``;
     held-out loader, sorted by length: its mean alpha does not depend on the order, its padding does)."""
     collate = functools.partial(ddata.collate, pad_id=pad)
-    if cfg.bucket_batches:
+    if cfg.data.bucket_batches:
         lengths = [len(e["input_ids"]) for e in train_examples]
-        batches = LengthBucketSampler(lengths, cfg.batch_size, cfg.bucket_batches, cfg.seed)
+        batches = LengthBucketSampler(lengths, cfg.optim.batch_size, cfg.data.bucket_batches, cfg.seed)
         train_loader = DataLoader(train_examples, batch_sampler=batches, collate_fn=collate)
     else:
         train_loader = DataLoader(
             train_examples,
-            batch_size=cfg.batch_size,
+            batch_size=cfg.optim.batch_size,
             sampler=EpochSampler(len(train_examples), cfg.seed),
             drop_last=False,
             collate_fn=collate,
         )
     by_length = sorted(heldout, key=lambda e: len(e["input_ids"]))
-    held_loader = DataLoader(by_length, batch_size=cfg.batch_size, collate_fn=collate)
+    held_loader = DataLoader(by_length, batch_size=cfg.optim.batch_size, collate_fn=collate)
     return train_loader, held_loader
 
 
@@ -216,7 +225,7 @@ class Teacher:
         s = self.settings
         out = vocab_cut.target_rows(self.target, batch, rows, s.layers)  # hidden (M, H)
         log_probs = vocab_cut.head_log_probs(self.target, out.hidden, s.head_ids, s.temperature, s.full_normalizer)
-        # .to(): a target spread with teacher_device_map computes on its last device
+        # .to(): a target spread with teacher.device_map computes on its last device
         return TeacherRows(log_probs.to(s.device), out.layers), out
 
     def epoch_end(self, accelerator: Accelerator) -> None:
@@ -278,7 +287,7 @@ class FillingTeacher(Teacher):
         if self.reading is not None:
             return self.reading(batch, rows)
         teacher, out = self.live(batch, rows)
-        ids, logps = teacher_cache.head_top_k(self.target, out.hidden, self.cfg.teacher_top_k)  # (M, k)
+        ids, logps = teacher_cache.head_top_k(self.target, out.hidden, self.cfg.teacher.top_k)  # (M, k)
         counts = batch["loss_mask"].sum(1).tolist()
         lengths = batch["attention_mask"].sum(1).tolist()
         for row, i in enumerate(batch["index"].tolist()):
@@ -294,7 +303,7 @@ class FillingTeacher(Teacher):
         if self.reading is not None:
             return
         rank, processes = accelerator.process_index, accelerator.num_processes
-        dtype, layers = teacher_cache.STORAGE_DTYPES[self.cfg.teacher_cache_dtype], self.settings.layers
+        dtype, layers = teacher_cache.STORAGE_DTYPES[self.cfg.teacher.cache_dtype], self.settings.layers
         self.store.mkdir(parents=True, exist_ok=True)
         if self.seen:
             digests = list(self.seen)
@@ -309,7 +318,7 @@ class FillingTeacher(Teacher):
         mine = missing[rank::processes]
         if mine:
             ids, logps, hidden = teacher_cache.chunk_features(
-                self.target, mine, self.cfg.teacher_top_k, layers, self.cfg.batch_size, self.pad
+                self.target, mine, self.cfg.teacher.top_k, layers, self.cfg.optim.batch_size, self.pad
             )
             digests = [teacher_cache.example_digest(e) for e in mine]
             teacher_cache.write_shard(self.store, f"r{rank:03d}-rest", digests, ids, logps, hidden, dtype)
@@ -318,7 +327,7 @@ class FillingTeacher(Teacher):
             made_by = store_made_by(self.cfg, self.target, self.examples, layers)
             tokens = sum(sum(e["loss_mask"]) for e in self.examples)
             examples = len(written) + len(missing)
-            teacher_cache.write_meta(self.store, examples, tokens, self.cfg.teacher_top_k, 0, made_by)
+            teacher_cache.write_meta(self.store, examples, tokens, self.cfg.teacher.top_k, 0, made_by)
         accelerator.wait_for_everyone()
         self.seen = {}
         self.reading = from_store(self.target, self.settings, self.store, self.examples)
@@ -330,11 +339,11 @@ def store_made_by(cfg: DistillConfig, target: PreTrainedModel, examples: list[di
         "target": target.name_or_path,
         "target_key": target_name(cfg),
         "dtype": teacher_cache.dtype_name(target.dtype),
-        "top_k": cfg.teacher_top_k,
+        "top_k": cfg.teacher.top_k,
         "content": teacher_cache.content_digest(teacher_cache.unique_examples(examples)[0]),
     }
     if layers:
-        made_by |= {"layers": sorted(layers), "hidden_dtype": cfg.teacher_cache_dtype}
+        made_by |= {"layers": sorted(layers), "hidden_dtype": cfg.teacher.cache_dtype}
         made_by["hidden_size"] = target.config.hidden_size
     return made_by
 
@@ -352,7 +361,7 @@ def teacher(
 
     examples: (train, held-out). The store covers both (the dataset's content), so a run with
     another seed or held-out split of the same data reads the same store; one filled by the first
-    epoch (``teacher_cache_fill: first_epoch``) covers the training examples. The teacher gives the
+    epoch (``teacher.cache_fill: first_epoch``) covers the training examples. The teacher gives the
     target's log-probs at the loss temperature at the rows, over its full vocabulary (M, V) or, with
     ``head_ids`` (N,) (the draft's head cut), on those tokens (M, N), normalized over the full
     vocabulary; for forward KL with a cut head the live target's are the kept logits at temperature
@@ -360,32 +369,34 @@ def teacher(
     layers: target layers whose entering hidden states (B, T, H) the draft's kind reads, from the same
     forward or from the store. Under N processes each builds its share of the store's shards."""
     train_examples, heldout = examples
-    settings = TeacherSettings(head_ids, cfg.loss_temperature, cfg.loss != "forward_kl", layers, accelerator.device)
-    if not cfg.teacher_cache:
+    settings = TeacherSettings(
+        head_ids, cfg.loss.temperature, cfg.loss.name != "forward_kl", layers, accelerator.device
+    )
+    if not cfg.teacher.cache:
         return Teacher(target, settings)
     entries = None if layers else dataset_teacher_entries(cfg, target, train_examples, accelerator)
     if entries is not None:
         return StoreTeacher(target, settings, train_examples, entries)
-    dtype = teacher_cache.STORAGE_DTYPES[cfg.teacher_cache_dtype]
-    covered = train_examples if cfg.teacher_cache_fill == "first_epoch" else train_examples + heldout
+    dtype = teacher_cache.STORAGE_DTYPES[cfg.teacher.cache_dtype]
+    covered = train_examples if cfg.teacher.cache_fill == "first_epoch" else train_examples + heldout
     name = target_name(cfg)
-    folder = teacher_cache.folder_for(name, target.dtype, covered, cfg.teacher_top_k, layers, dtype)
-    folder = teacher_cache.find_store(folder, name, target.dtype, covered, cfg.teacher_top_k, layers, dtype)
-    built = dataset_builder.built_folder(cfg.dataset)
+    folder = teacher_cache.folder_for(name, target.dtype, covered, cfg.teacher.top_k, layers, dtype)
+    folder = teacher_cache.find_store(folder, name, target.dtype, covered, cfg.teacher.top_k, layers, dtype)
+    built = dataset_builder.built_folder(cfg.data.dataset)
     if built is not None and not (folder / "meta.json").is_file():  # one the dataset carries (draftsmith data)
         carried = built / "feature-store" / "-"
         carried = teacher_cache.find_store(
-            carried, teacher_cache.DATASET_TARGET, target.dtype, covered, cfg.teacher_top_k, layers, dtype
+            carried, teacher_cache.DATASET_TARGET, target.dtype, covered, cfg.teacher.top_k, layers, dtype
         )
         folder = carried if (carried / "meta.json").is_file() else folder
-    if cfg.teacher_cache_fill == "first_epoch" and not (folder / "meta.json").is_file():
+    if cfg.teacher.cache_fill == "first_epoch" and not (folder / "meta.json").is_file():
         return FillingTeacher(target, settings, folder, train_examples, cfg, pad)
     teacher_cache.build(
         target,
         covered,
         folder,
-        cfg.teacher_top_k,
-        cfg.batch_size,
+        cfg.teacher.top_k,
+        cfg.optim.batch_size,
         shard_size=min(256, -(-len(covered) // accelerator.num_processes)),  # a shard or more per process
         pad_id=pad,
         progress=accelerator.is_main_process,
@@ -408,14 +419,14 @@ def dataset_teacher_entries(
     cfg: DistillConfig, target, examples: list[dict], accelerator: Accelerator
 ) -> dataset_cache.Entries | None:
     """The training examples' teacher entries from the top-k cache a ``draftsmith data`` folder carries
-    (``--teacher-cache K``, K >= teacher_top_k, the run's teacher dtype), or None: then the run builds its own."""
-    folder = dataset_builder.built_folder(cfg.dataset)
+    (``--teacher-cache K``, K >= teacher.top_k, the run's teacher dtype), or None: then the run builds its own."""
+    folder = dataset_builder.built_folder(cfg.data.dataset)
     if folder is None:
         return None
     dtype = str(target.dtype).removeprefix("torch.")
-    entries = dataset_cache.dataset_entries(folder, examples, dtype, cfg.teacher_top_k, cfg.max_length)
+    entries = dataset_cache.dataset_entries(folder, examples, dtype, cfg.teacher.top_k, cfg.data.max_length)
     if entries is not None:
         accelerator.print(
-            f"teacher: the top-{cfg.teacher_top_k} cache {folder} carries (the target is not run over it)"
+            f"teacher: the top-{cfg.teacher.top_k} cache {folder} carries (the target is not run over it)"
         )
     return entries

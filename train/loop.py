@@ -43,7 +43,7 @@ from draftsmith.specdec.measure.costs import measure_cost_ratio
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.train import budget, checkpoint, cpu_setup, speedup
-from draftsmith.train.config import RUN_CONFIG, DistillConfig, save_config
+from draftsmith.train.config import RUN_CONFIG, DistillConfig, flat_settings, save_config, with_settings
 from draftsmith.train.examples import Teacher, TeacherRows, build_examples, generation, loaders, teacher
 from draftsmith.train.models import build_models, in_dtype_of, mixed_precision
 
@@ -78,11 +78,11 @@ class Run:
     heldout: DataLoader
     teacher: Teacher
     ranking: list[int]  # token ids by frequency in the training answers (draft_vocab.json)
-    head_ids: torch.Tensor | None = None  # (N,) the tokens the draft's head is cut to (train_draft_vocab)
-    mixer: OnPolicyMixer | None = None  # on-policy data, when on_policy_fraction > 0
+    head_ids: torch.Tensor | None = None  # (N,) the tokens the draft's head is cut to (draft.vocab)
+    mixer: OnPolicyMixer | None = None  # on-policy data, when on_policy.fraction > 0
     step: int = 0  # optimizer steps done
     bar: tqdm | None = None
-    plan: budget.Plan | None = None  # a budget of minutes, once planned (``max_minutes``)
+    plan: budget.Plan | None = None  # a budget of minutes, once planned (``optim.max_minutes``)
     last_metrics: dict = dataclasses.field(default_factory=dict)  # the latest held-out record
     window_loss: float = 0.0  # summed step losses since the last held-out record
     window_tokens: int = 0
@@ -119,29 +119,29 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
     jobs and the resume tests); running again resumes from the last checkpoint.
     """
     run = setup(cfg)
-    steps_per_epoch = max(1, len(run.loader) // cfg.grad_accum)
+    steps_per_epoch = max(1, len(run.loader) // cfg.optim.grad_accum)
     step_seconds: list[float] = []  # this process's steps, for a budget's plan
-    while run.step < run.cfg.max_steps and run.step != stop_at_step:
+    while run.step < run.cfg.optim.max_steps and run.step != stop_at_step:
         epoch, done_in_epoch = divmod(run.step, steps_per_epoch)
         # The same data order as an uninterrupted run: reseed the sampler per epoch, skip what was done.
         run.loader.set_epoch(epoch)
         if epoch > 0:  # a store filled by the first epoch is complete: read it from here on
             run.teacher.epoch_end(run.accelerator)
-        skipped = done_in_epoch * cfg.grad_accum
+        skipped = done_in_epoch * cfg.optim.grad_accum
         batches = iter(run.accelerator.skip_first_batches(run.loader, skipped) if skipped else run.loader)
         for _ in range(done_in_epoch, steps_per_epoch):
-            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            micro = [next(batches) for _ in range(cfg.optim.grad_accum)]
             began = time.perf_counter()
             loss, tokens = train_step(run, micro)
             step_seconds.append(time.perf_counter() - began)
             run.train_seconds += step_seconds[-1]
             run.trained_tokens += tokens
-            if cfg.max_minutes is not None and run.plan is None:
+            if cfg.optim.max_minutes is not None and run.plan is None:
                 plan = budget.timed_plan(cfg, run.step, step_seconds)
                 if plan is not None:
                     follow_plan(run, plan, record=True)
             on_step_end(run, loss, tokens)
-            if run.step >= run.cfg.max_steps or run.step == stop_at_step:
+            if run.step >= run.cfg.optim.max_steps or run.step == stop_at_step:
                 break
 
     run.bar.close()
@@ -172,12 +172,12 @@ def setup(cfg: DistillConfig) -> Run:
     describe(accelerator, draft, target, len(train_examples), head_ids)
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    layers = kind_named(cfg.draft_kind).teacher_layers(draft)
+    layers = kind_named(cfg.draft.kind).teacher_layers(draft)
     teacher_logits = teacher(cfg, target, (train_examples, heldout_examples), pad, accelerator, head_ids, layers)
     loader, heldout = loaders(cfg, train_examples, heldout_examples, pad)
     params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps)
     draft, optimizer, loader, heldout, scheduler = accelerator.prepare(draft, optimizer, loader, heldout, scheduler)
     run = Run(
         cfg=cfg,
@@ -195,29 +195,31 @@ def setup(cfg: DistillConfig) -> Run:
         ranking=ranking,
         head_ids=head_ids,
     )
-    if cfg.on_policy_fraction > 0:
+    if cfg.on_policy.fraction > 0:
         run.mixer = on_policy_mixer(cfg, train_examples, target, tokenizer, pad, accelerator.process_index)
 
     if resume_from is not None:
         resume(run, *resume_from)
     else:
         start(run)
-    plan = budget.load_plan(run_dir) if cfg.max_minutes is not None and resume_from is not None else None
+    plan = budget.load_plan(run_dir) if cfg.optim.max_minutes is not None and resume_from is not None else None
     if plan is not None:  # a resumed run trains the steps it planned, whatever this machine's speed
         follow_plan(run, plan, record=False)
-    if cfg.max_minutes is None:
-        run.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="distill", disable=not accelerator.is_main_process)
+    if cfg.optim.max_minutes is None:
+        run.bar = tqdm(
+            total=cfg.optim.max_steps, initial=run.step, desc="distill", disable=not accelerator.is_main_process
+        )
     else:  # a budget counts minutes of training steps
         run.bar = tqdm(
-            total=cfg.max_minutes,
+            total=cfg.optim.max_minutes,
             desc="distill",
             unit="min",
             bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]",
             disable=not accelerator.is_main_process,
         )
         show_minutes(run)
-    if cfg.report_to != "none":
-        scalars = {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))}
+    if cfg.log.report_to != "none":
+        scalars = {k: v for k, v in flat_settings(cfg).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers("distill", config=scalars)
     run.window_start = run.started = time.perf_counter()
     run.start_step = run.step
@@ -225,13 +227,13 @@ def setup(cfg: DistillConfig) -> Run:
 
 
 def follow_plan(run: Run, plan: budget.Plan, record: bool) -> None:
-    """Train the steps a budget's ``plan`` fits: the run's max_steps, checkpoint and log intervals
+    """Train the steps a budget's ``plan`` fits: the run's optim.max_steps, checkpoint and log intervals
     become the plan's, and the learning-rate schedule decays to its last step from here on
     (``record``: a new plan, written into the run folder and announced)."""
     run.plan = plan
-    run.cfg = dataclasses.replace(run.cfg, **plan.settings())
+    run.cfg = with_settings(run.cfg, plan.settings())
     scheduler = get_cosine_schedule_with_warmup(
-        run.optimizer.optimizer, run.cfg.warmup_steps, plan.max_steps, last_epoch=run.step - 1
+        run.optimizer.optimizer, run.cfg.optim.warmup_steps, plan.max_steps, last_epoch=run.step - 1
     )
     run.scheduler.scheduler = scheduler  # inside accelerate's wrapper, which checkpoints save
     if record and run.accelerator.is_main_process:
@@ -246,7 +248,7 @@ def follow_plan(run: Run, plan: budget.Plan, record: bool) -> None:
 def show_minutes(run: Run) -> None:
     """A budget's progress bar: training minutes so far (steps at the plan's pace once it is made)."""
     minutes = run.step * run.plan.step_seconds / 60 if run.plan is not None else run.train_seconds / 60
-    run.bar.n = min(minutes, run.cfg.max_minutes)
+    run.bar.n = min(minutes, run.cfg.optim.max_minutes)
     run.bar.refresh()
 
 
@@ -259,30 +261,32 @@ def make_accelerator(cfg: DistillConfig, device: torch.device) -> Accelerator:
         mixed_precision=mixed_precision(cfg, device),
         cpu=device.type == "cpu",
         step_scheduler_with_optimizer=False,
-        log_with=trackers(cfg.report_to),
+        log_with=trackers(cfg.log.report_to),
         project_dir=cfg.output_dir,
     )
 
 
 def trackers(report_to: str) -> list[str] | None:
-    """accelerate's ``log_with`` for ``report_to``; a tracker that is not installed is refused by name."""
+    """accelerate's ``log_with`` for ``log.report_to``; a tracker that is not installed is refused by name."""
     if report_to == "none":
         return None
     names = report_to.split(",")
     for name in names:
         if importlib.util.find_spec(name) is None:
-            raise DraftsmithError(f"report_to: {name} is not installed; pip install {name}, or drop it from report_to")
+            raise DraftsmithError(
+                f"log.report_to: {name} is not installed; pip install {name}, or drop it from log.report_to"
+            )
     return names
 
 
 def cut_head_ids(
     cfg: DistillConfig, ranking: list[int], eos_ids: frozenset[int], device: torch.device
 ) -> torch.Tensor | None:
-    """(N,) the token ids the draft's head is cut to: the ``train_draft_vocab`` most frequent in the
+    """(N,) the token ids the draft's head is cut to: the ``draft.vocab`` most frequent in the
     training answers and the EOS ids, exactly the set eval decodes with; None for the full head."""
-    if not cfg.train_draft_vocab:
+    if not cfg.draft.vocab:
         return None
-    return torch.tensor(draft_vocab.kept_ids(ranking[: cfg.train_draft_vocab], eos_ids), device=device)
+    return torch.tensor(draft_vocab.kept_ids(ranking[: cfg.draft.vocab], eos_ids), device=device)
 
 
 def decoding_draft(draft, head_ids: torch.Tensor | None):
@@ -296,7 +300,7 @@ def decoding_draft(draft, head_ids: torch.Tensor | None):
 def loss_head(run: Run) -> LossHead:
     """How this run's training forwards apply the draft's head: at the loss rows, full or cut."""
     model = run.accelerator.unwrap_model(run.draft)
-    return LossHead(model, run.head_ids, run.target.config.vocab_size, kind_named(run.cfg.draft_kind))
+    return LossHead(model, run.head_ids, run.target.config.vocab_size, kind_named(run.cfg.draft.kind))
 
 
 def describe(accelerator: Accelerator, draft, target, n_examples: int, head_ids: torch.Tensor | None) -> None:
@@ -319,15 +323,15 @@ def on_policy_mixer(
 ) -> OnPolicyMixer:
     prompts = [list(p) for p in sorted({tuple(example_prompt(e)) for e in examples})]
     settings = OnPolicySettings(
-        fraction=cfg.on_policy_fraction,
-        refresh_steps=cfg.on_policy_refresh_steps,
-        pool_size=cfg.on_policy_pool,
-        max_new_tokens=cfg.gen_max_new_tokens,
+        fraction=cfg.on_policy.fraction,
+        refresh_steps=cfg.on_policy.refresh_steps,
+        pool_size=cfg.on_policy.pool,
+        max_new_tokens=cfg.generate.max_new_tokens,
         sampling=generation(cfg),
         eos_ids=eos_token_ids(target, tokenizer),
         seed=cfg.seed,
-        batch_size=cfg.batch_size,
-        max_length=cfg.max_length,
+        batch_size=cfg.optim.batch_size,
+        max_length=cfg.data.max_length,
     )
     return OnPolicyMixer(prompts, settings, pad, process_index)
 
@@ -365,7 +369,7 @@ def start(run: Run) -> None:
 def save_cut(run: Run, folder: Path) -> None:
     """A draft trained with a cut head carries the cut (the kept part of the ranking) in its folder."""
     if run.head_ids is not None:
-        draft_vocab.save_ranking(folder, run.ranking[: run.cfg.train_draft_vocab])
+        draft_vocab.save_ranking(folder, run.ranking[: run.cfg.draft.vocab])
 
 
 def distill_step_loss(cfg: DistillConfig, draft, teacher_rows: Teacher, batch: dict, head: LossHead) -> torch.Tensor:
@@ -382,13 +386,13 @@ def distill_step_loss(cfg: DistillConfig, draft, teacher_rows: Teacher, batch: d
     if predicted.teacher_rows is not None:  # several predictions per loss row (steps ahead)
         teacher_out, at = teacher_out.index_select(0, predicted.teacher_rows), rows[predicted.teacher_rows]
     losses = row_token_losses(
-        cfg.loss, predicted.logits, teacher_out, mask, at, cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma
+        cfg.loss.name, predicted.logits, teacher_out, mask, at, cfg.loss.temperature, cfg.loss.jsd_beta, cfg.loss.gamma
     )  # (R,)
-    if cfg.ce_weight:
+    if cfg.loss.ce_weight:
         labels = batch["input_ids"].roll(-1, dims=1).flatten().index_select(0, at)  # (R,): the next tokens
         if head.ids is not None:
             labels = vocab_cut.subset_labels(labels, head.ids, head.vocab_size)
-        losses = (1 - cfg.ce_weight) * losses + cfg.ce_weight * row_cross_entropy(predicted.logits, labels)
+        losses = (1 - cfg.loss.ce_weight) * losses + cfg.loss.ce_weight * row_cross_entropy(predicted.logits, labels)
     if predicted.weights is not None:
         losses = losses * predicted.weights
     return losses.sum()
@@ -427,7 +431,7 @@ def train_step(run: Run, micro: list[dict]) -> tuple[float, int]:
             loss = distill_step_loss(cfg, run.draft, run.teacher, batch, head) * scale
             accelerator.backward(loss)
         step_loss += float(loss.detach()) / accelerator.num_processes
-    run.grad_norm = float(accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm))
+    run.grad_norm = float(accelerator.clip_grad_norm_(run.params, cfg.optim.max_grad_norm))
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -441,18 +445,18 @@ def on_step_end(run: Run, loss: float, tokens: int) -> None:
     cfg, step = run.cfg, run.step
     run.window_loss += loss
     run.window_tokens += tokens
-    if cfg.max_minutes is None:
+    if cfg.optim.max_minutes is None:
         run.bar.update(1)
     else:
         show_minutes(run)
     run.bar.set_postfix(loss=f"{loss:.4f}")
     if run.accelerator.is_main_process:
         log(run.run_dir / "losses.jsonl", {"step": step, "loss": loss})
-    if step % cfg.log_steps == 0 or step == cfg.max_steps:
+    if step % cfg.log.steps == 0 or step == cfg.optim.max_steps:
         log_heldout(run)
-    if cfg.eval_speedup_steps and step % cfg.eval_speedup_steps == 0:
+    if cfg.eval.speedup_steps and step % cfg.eval.speedup_steps == 0:
         measure_speedup(run)
-    if step % cfg.save_steps == 0 or step == cfg.max_steps:
+    if step % cfg.save.steps == 0 or step == cfg.optim.max_steps:
         save(run)
 
 
@@ -462,7 +466,7 @@ def log_heldout(run: Run) -> None:
     metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator, loss_head(run), run.heldout_memo)
     run.last_metrics = {
         "step": run.step,
-        "loss": run.window_loss / (run.step % run.cfg.log_steps or run.cfg.log_steps),
+        "loss": run.window_loss / (run.step % run.cfg.log.steps or run.cfg.log.steps),
         "lr": run.scheduler.get_last_lr()[0],
         "tokens_per_s": run.window_tokens / elapsed,
         "grad_norm": run.grad_norm,
@@ -470,7 +474,7 @@ def log_heldout(run: Run) -> None:
     }
     if run.accelerator.is_main_process:
         log(run.run_dir / "metrics.jsonl", run.last_metrics)
-    if run.cfg.report_to != "none":
+    if run.cfg.log.report_to != "none":
         run.accelerator.log({k: v for k, v in run.last_metrics.items() if k != "step"}, step=run.step)
     print0(run.accelerator, progress_line(run))
     run.bar.set_postfix(loss=f"{run.last_metrics['loss']:.4f}", alpha=f"{metrics['acceptance_rate']:.3f}")
@@ -481,9 +485,9 @@ def progress_line(run: Run) -> str:
     """step, loss, alpha, tokens/s, lr and the time left at this process's pace so far."""
     m, done = run.last_metrics, run.step - run.start_step
     per_step = (time.perf_counter() - run.started) / max(done, 1)
-    eta = datetime.timedelta(seconds=round(per_step * (run.cfg.max_steps - run.step)))
+    eta = datetime.timedelta(seconds=round(per_step * (run.cfg.optim.max_steps - run.step)))
     return (
-        f"step {run.step}/{run.cfg.max_steps}: loss {m['loss']:.4f}, alpha {m['acceptance_rate']:.3f}, "
+        f"step {run.step}/{run.cfg.optim.max_steps}: loss {m['loss']:.4f}, alpha {m['acceptance_rate']:.3f}, "
         f"{m['tokens_per_s']:.0f} tokens/s, lr {m['lr']:.2e}, grad norm {m['grad_norm']:.3f}, ETA {eta}"
     )
 
@@ -570,18 +574,18 @@ def measure_speedup(run: Run) -> None:
     """The current draft's real speedup (greedy), measured on the main process; the others wait."""
     cfg, target, tokenizer = run.cfg, run.target, run.tokenizer
     if run.accelerator.is_main_process:
-        prompts_file = ddata.EVAL_PROMPTS if cfg.eval_prompts == "builtin" else cfg.eval_prompts
-        prompts = read_prompts(prompts_file)[: cfg.eval_limit]
+        prompts_file = ddata.EVAL_PROMPTS if cfg.eval.prompts == "builtin" else cfg.eval.prompts
+        prompts = read_prompts(prompts_file)[: cfg.eval.limit]
         model = decoding_draft(in_dtype_of(run.accelerator.unwrap_model(run.draft), target), run.head_ids)
         with eval_mode(model):
             settings = MeasureSettings(
                 prompts,
-                max_new_tokens=cfg.eval_max_new_tokens,
+                max_new_tokens=cfg.eval.max_new_tokens,
                 eos_ids=eos_token_ids(target, tokenizer),
                 repeats=1,
                 progress=False,
             )
-            result = speedup.measure_draft(target, model, tokenizer, settings, cfg.eval_gammas)
+            result = speedup.measure_draft(target, model, tokenizer, settings, cfg.eval.gammas)
         record = {
             "step": run.step,
             "speedup": result["speedup"],
@@ -612,8 +616,8 @@ def save(run: Run) -> None:
         save_cut(run, tmp)
         if run.mixer is not None:
             run.mixer.save(tmp)
-        info = {"step": step, "target": cfg.target, "draft_init": cfg.draft_init, "config": dataclasses.asdict(cfg)}
-        checkpoint.commit(run.run_dir, tmp, f"checkpoint-{step}", info, keep_last=cfg.keep_last)
+        info = {"step": step, "target": cfg.target, "draft_init": cfg.draft.init, "config": dataclasses.asdict(cfg)}
+        checkpoint.commit(run.run_dir, tmp, f"checkpoint-{step}", info, keep_last=cfg.save.keep_last)
     accelerator.wait_for_everyone()
 
 

@@ -29,7 +29,7 @@ def load_target(
         target = target.to(device=device, dtype=dtype)
     else:
         tokenizer = load_tokenizer(cfg.target)
-        placement = teacher_placement(cfg.teacher_device_map, *launcher_ranks(), gpu_memory())
+        placement = teacher_placement(cfg.teacher.device_map, *launcher_ranks(), gpu_memory())
         target = load_model(cfg.target, device, dtype, placement.device_map, placement.max_memory)
     return target.requires_grad_(False).eval(), tokenizer
 
@@ -54,7 +54,7 @@ def teacher_placement(
         return TeacherPlacement(device_map)
     if len(gpu_memory) < local_processes or len(gpu_memory) % local_processes:
         raise DraftsmithError(
-            f"teacher_device_map: auto under {local_processes} processes needs a multiple of {local_processes} "
+            f"teacher.device_map: auto under {local_processes} processes needs a multiple of {local_processes} "
             f"visible GPUs (each process's copy on its own share), found {len(gpu_memory)}; launch "
             "--num_processes to divide them, or use the feature store (teacher_cache: true)"
         )
@@ -103,20 +103,20 @@ class RunModels:
 def teacher_dtype(cfg: DistillConfig, device: torch.device) -> torch.dtype:
     """The dtype the frozen target runs in as teacher (the kind may keep float32: an early-exit draft
     shares its layers)."""
-    return kind_named(cfg.draft_kind).teacher_dtype(draft_settings(cfg), resolve_dtype(cfg.teacher_dtype, device))
+    return kind_named(cfg.draft.kind).teacher_dtype(draft_settings(cfg), resolve_dtype(cfg.teacher.dtype, device))
 
 
 def mixed_precision(cfg: DistillConfig, device: torch.device) -> str:
-    """accelerate's mixed_precision for the draft; ``auto``: bf16 where the device has native bfloat16."""
-    if cfg.mixed_precision != "auto":
-        return cfg.mixed_precision
+    """accelerate's optim.mixed_precision for the draft; ``auto``: bf16 where the device has native bfloat16."""
+    if cfg.optim.mixed_precision != "auto":
+        return cfg.optim.mixed_precision
     return "bf16" if resolve_dtype("auto", device) == torch.bfloat16 else "no"
 
 
 def build_models(cfg: DistillConfig, device: torch.device):
     """(target, tokenizer, draft): the frozen teacher and the trainable draft.
 
-    The draft is built from the float32 target; the teacher is then cast to ``teacher_dtype``.
+    The draft is built from the float32 target; the teacher is then cast to ``teacher.dtype``.
     """
     target, tokenizer = load_target(cfg, device)
     draft = build_draft(cfg, target, tokenizer, device)
@@ -126,7 +126,7 @@ def build_models(cfg: DistillConfig, device: torch.device):
 def build_draft(cfg: DistillConfig, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device):
     """The draft ``cfg`` describes (its kind builds it), in training mode, with only its trainable
     parameters requiring grad."""
-    return kind_named(cfg.draft_kind).build(draft_settings(cfg), target, tokenizer, device)
+    return kind_named(cfg.draft.kind).build(draft_settings(cfg), target, tokenizer, device)
 
 
 def in_dtype_of(draft, target: PreTrainedModel):

@@ -246,8 +246,8 @@ def model_card(
         f"# Draft model for {target}",
         "",
         f"A `{kind.name}` draft for speculative decoding with `{target}` as the target{made_of}: "
-        f"{kind.card_description(draft_settings(cfg), folder)}. Distilled with draftsmith (loss `{cfg.loss}`, "
-        f"data `{cfg.data}`, {steps} steps). Speculative decoding keeps the target's output unchanged; the draft "
+        f"{kind.card_description(draft_settings(cfg), folder)}. Distilled with draftsmith (loss `{cfg.loss.name}`, "
+        f"data `{cfg.data.mode}`, {steps} steps). Speculative decoding keeps the target's output unchanged; the draft "
         "only makes it faster.",
         "",
         "## Measured speedup",

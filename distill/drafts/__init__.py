@@ -51,7 +51,7 @@ def register(kind: DraftKind) -> None:
 
 def kind_named(name: str) -> DraftKind:
     if name not in KINDS:
-        raise DraftsmithError(f"draft_kind must be one of {', '.join(KINDS)}, got {name!r}")
+        raise DraftsmithError(f"draft.kind must be one of {', '.join(KINDS)}, got {name!r}")
     return KINDS[name]
 
 

@@ -391,12 +391,12 @@ def block_targets(
 
 
 class DFlashKind(KindBase):
-    """DFlash drafts (``draft_kind: dflash``). kind_options: ``mask_token_id`` (required: an id of the
+    """DFlash drafts (``draft.kind: dflash``). draft.options: ``mask_token_id`` (required: an id of the
     target's vocabulary the data never uses, e.g. 16 for SmolLM2), ``block_size`` (the anchor and
     block_size-1 masks per training block, default 8), ``target_layer_ids`` (the target layers whose
     outputs it reads, default z-lab's), ``max_anchors`` (blocks per sequence per step, default 64),
-    ``decay`` (block position k weighs exp(-(k-1)/decay), default 4). ``draft_layers``: its decoder
-    layers. ``draft_init``, ``draft_config``, ``draft_model``, LoRA and a cut head do not apply."""
+    ``decay`` (block position k weighs exp(-(k-1)/decay), default 4). ``draft.layers``: its decoder
+    layers. ``draft.init``, ``draft.config``, ``draft.model``, LoRA and a cut head do not apply."""
 
     name = "dflash"
     model_class = DFlashDraft
@@ -410,24 +410,24 @@ class DFlashKind(KindBase):
     def check(self, settings: DraftSettings) -> None:
         super().check(settings)
         refused = {
-            "lora_r": (settings.lora_r, 0),
-            "draft_config": (settings.config, {}),
-            "draft_model": (settings.model, None),
-            "train_draft_vocab": (settings.train_draft_vocab, 0),
+            "draft.lora_r": (settings.lora_r, 0),
+            "draft.config": (settings.config, {}),
+            "draft.model": (settings.model, None),
+            "draft.vocab": (settings.train_draft_vocab, 0),
         }
         for name, (value, default) in refused.items():
             if value != default:
                 raise DraftsmithError(f"dflash drafts are decoder layers on the target's head: leave out {name}")
         if "mask_token_id" not in settings.options:
             raise DraftsmithError(
-                "dflash drafts need kind_options.mask_token_id: an id of the target's vocabulary that the data never "
+                "dflash drafts need draft.options.mask_token_id: an id of the target's vocabulary that the data never "
                 "uses (e.g. 16, <empty_output>, for SmolLM2)"
             )
         options = self.options(settings)
         if options["block_size"] < 2:
-            raise DraftsmithError(f"kind_options: block_size must be >= 2, got {options['block_size']}")
+            raise DraftsmithError(f"draft.options: block_size must be >= 2, got {options['block_size']}")
         if options["max_anchors"] < 1 or options["decay"] <= 0:
-            raise DraftsmithError("kind_options: max_anchors must be >= 1 and decay > 0")
+            raise DraftsmithError("draft.options: max_anchors must be >= 1 and decay > 0")
         if settings.loss == "accepted_length":
             raise DraftsmithError(
                 "dflash drafts score several block positions per anchor, and accepted_length's windows assume one "

@@ -7,16 +7,16 @@ concatenated and projected by ``fc`` (3H -> H, no bias): g_p = fc([h_a | h_b | h
 where h_i is the residual stream entering target layer i (transformers' ``hidden_states[i]``, vLLM's
 aux layer id i). The ids are vLLM's and speculators' default (2, n//2, n-3), in ascending order (vLLM
 concatenates them so); a target of fewer than 7 layers, where those repeat a layer, takes its last
-three (n-3, n-2, n-1); ``kind_options: {aux_layers: [a, b, c]}`` sets them. One decoder layer of the
+three (n-3, n-2, n-1); ``draft.options: {aux_layers: [a, b, c]}`` sets them. One decoder layer of the
 target's architecture follows, whose attention reads ``[input_layernorm(embed(x)) | hidden_norm(g)]``
 (2H wide, the embedding first) with its residual stream starting at the un-normed g
 (``norm_before_residual: false``); then the final norm and an LM head over the draft vocabulary.
 Row p of the head's own sequence pairs g_p with the next token x_{p+1}, sits at position p and
 predicts x_{p+2}; its layer output before the final norm is the feature of the next draft step.
 The embedding and the head start as copies of the target's and stay frozen unless
-``freeze_embeddings: false``.
+``draft.freeze_embeddings: false``.
 
-**Vocabulary.** With ``train_draft_vocab: N`` the head's vocabulary is the N tokens most frequent in
+**Vocabulary.** With ``draft.vocab: N`` the head's vocabulary is the N tokens most frequent in
 the training answers plus the EOS ids: exactly the ids the trainer cuts the teacher to
 (``Batch.head_ids``), which the head adopts at its first training forward (the ranking is counted
 after the draft is built). Its logits over the target's vocabulary are the draft's at those ids and
@@ -618,11 +618,11 @@ def load_head(folder: Path, target: PreTrainedModel) -> EagleHead:
 
 
 class EagleKind(KindBase):
-    """EAGLE-3 heads (``draft_kind: eagle3``). kind_options: ``aux_layers`` (three target layer ids,
+    """EAGLE-3 heads (``draft.kind: eagle3``). draft.options: ``aux_layers`` (three target layer ids,
     default (2, n//2, n-3)), ``ttt_steps`` (steps unrolled in training, default 3), ``step_decay``
-    (step j's loss weight step_decay^j, default 0.8). ``train_draft_vocab: N``: the head's vocabulary
-    is the N most frequent answer tokens plus EOS; ``freeze_embeddings: false`` trains its embedding
-    and head too. ``draft_init`` and ``draft_layers`` (the standalone LM's) do not apply."""
+    (step j's loss weight step_decay^j, default 0.8). ``draft.vocab: N``: the head's vocabulary
+    is the N most frequent answer tokens plus EOS; ``draft.freeze_embeddings: false`` trains its embedding
+    and head too. ``draft.init`` and ``draft.layers`` (the standalone LM's) do not apply."""
 
     name = "eagle3"
     model_class = EagleHead
@@ -633,9 +633,9 @@ class EagleKind(KindBase):
     def check(self, settings: DraftSettings) -> None:
         super().check(settings)
         refused = {
-            "lora_r": (settings.lora_r, 0),
-            "draft_config": (settings.config, {}),
-            "draft_model": (settings.model, None),
+            "draft.lora_r": (settings.lora_r, 0),
+            "draft.config": (settings.config, {}),
+            "draft.model": (settings.model, None),
         }
         for name, (value, default) in refused.items():
             if value != default:
@@ -646,9 +646,9 @@ class EagleKind(KindBase):
                 "prediction per position: use forward_kl, tvd, reverse_kl or jsd"
             )
         if settings.options.get("ttt_steps", DEFAULTS["ttt_steps"]) < 1:
-            raise DraftsmithError("kind_options: ttt_steps must be >= 1")
+            raise DraftsmithError("draft.options: ttt_steps must be >= 1")
         if not 0 < settings.options.get("step_decay", DEFAULTS["step_decay"]) <= 1:
-            raise DraftsmithError("kind_options: step_decay must be in (0, 1]")
+            raise DraftsmithError("draft.options: step_decay must be in (0, 1]")
 
     def build(
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device

@@ -330,8 +330,8 @@ def measure_verify_saving(
 
 
 class EarlyExitKind(KindBase):
-    """The early-exit draft (``draft_kind: early_exit``): ``draft_layers`` is k, the target layers it
-    shares; ``kind_options: {adapter: false}`` leaves out the trainable adapter layer. Decode option
+    """The early-exit draft (``draft.kind: early_exit``): ``draft.layers`` is k, the target layers it
+    shares; ``draft.options: {adapter: false}`` leaves out the trainable adapter layer. Decode option
     ``kv_reuse`` (``--draft-option kv_reuse=false``): decode as a standalone draft instead."""
 
     name = "early_exit"
@@ -354,17 +354,17 @@ class EarlyExitKind(KindBase):
         super().check(settings)
         layer_count(settings.layers, self.name)
         refused = {
-            "lora_r": (settings.lora_r, 0),
-            "train_draft_vocab": (settings.train_draft_vocab, 0),
-            "draft_config": (settings.config, {}),
-            "draft_model": (settings.model, None),
+            "draft.lora_r": (settings.lora_r, 0),
+            "draft.vocab": (settings.train_draft_vocab, 0),
+            "draft.config": (settings.config, {}),
+            "draft.model": (settings.model, None),
         }
         for name, (value, default) in refused.items():
             if value != default:
                 raise DraftsmithError(f"early_exit drafts share the target's head and layers: leave out {name}")
         if settings.teacher_dtype not in ("auto", "float32"):
             raise DraftsmithError(
-                "early_exit drafts share the target's layers, which stay float32: set teacher_dtype to auto"
+                "early_exit drafts share the target's layers, which stay float32: set teacher.dtype to auto"
             )
 
     def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:
@@ -398,7 +398,7 @@ class EarlyExitKind(KindBase):
     def check_publishable(self) -> None:
         raise DraftsmithError(
             "early-exit drafts share the target's layers and are not standalone models, so none is published: "
-            "train one with draftsmith distill draft_kind=early_exit and measure it with draftsmith eval-run"
+            "train one with draftsmith distill draft.kind=early_exit and measure it with draftsmith eval-run"
         )
 
     def check_export(self, folder: Path) -> None:

@@ -52,8 +52,8 @@ class DraftSettings:
     kind: the kind's name (``lm``, ``early_exit``, ...). init, layers, config, model, lora_*:
     how a standalone LM starts (truncated target, new config, pretrained, LoRA); ``layers`` is also
     the shared layer count k of an early-exit draft. options: the kind's own settings
-    (``kind_options``), checked by the kind. train_draft_vocab: the head cut to the N most
-    frequent tokens (0: the full head). teacher_dtype: the run's ``teacher_dtype``. loss: the run's
+    (``draft.options``), checked by the kind. draft.vocab: the head cut to the N most
+    frequent tokens (0: the full head). teacher.dtype: the run's ``teacher.dtype``. loss: the run's
     loss (a kind whose predictions reach several steps ahead may refuse ``accepted_length``, whose
     windows assume one prediction per position).
     """
@@ -79,7 +79,7 @@ class Batch:
 
     input_ids, attention_mask, loss_mask: (B, T). rows: (M,) the flat indices into (B, T) of the
     loss positions, row-major (the teacher's distributions come at these rows, in this order).
-    head_ids: (N,) the tokens of a cut head (``train_draft_vocab``), None for the full head; the
+    head_ids: (N,) the tokens of a cut head (``draft.vocab``), None for the full head; the
     logits then cover those N tokens. teacher_hidden: {layer i: (B, T, H)} the residual stream
     entering target layer i at every position, for the layers ``teacher_layers`` named, from the
     same target forward that gives the teacher's distributions ({} when none were asked for).
@@ -141,7 +141,7 @@ class DraftKind(Protocol):
         ...
 
     def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:
-        """The target's dtype as teacher, given what ``teacher_dtype`` resolves to on the device."""
+        """The target's dtype as teacher, given what ``teacher.dtype`` resolves to on the device."""
         ...
 
     def build(
@@ -206,7 +206,7 @@ class DraftKind(Protocol):
 
     def engine_config(self, folder: Path) -> dict:
         """vLLM's ``speculative_config`` for the exported draft in ``folder``, without
-        ``num_speculative_tokens`` (e.g. ``{"method": "draft_model", "model": folder}``)."""
+        ``num_speculative_tokens`` (e.g. ``{"method": "draft.model", "model": folder}``)."""
         ...
 
     def write_serving(self, draft: torch.nn.Module, folder: Path, serving: Serving) -> None:
@@ -239,23 +239,23 @@ class DraftKind(Protocol):
 
 
 def check_options(kind: str, options: dict, known: dict[str, type]) -> None:
-    """Refuse ``kind_options`` keys the kind does not have, or values of the wrong type, by name."""
+    """Refuse ``draft.options`` keys the kind does not have, or values of the wrong type, by name."""
     for key, value in options.items():
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             names = ", ".join(sorted(known)) or "none"
-            raise DraftsmithError(f"kind_options: {key!r} is not an option of {kind} drafts (known: {names}){hint}")
+            raise DraftsmithError(f"draft.options: {key!r} is not an option of {kind} drafts (known: {names}){hint}")
         if not isinstance(value, known[key]) or (known[key] is int and isinstance(value, bool)):
-            raise DraftsmithError(f"kind_options: {key} must be a {known[key].__name__}, got {value!r}")
+            raise DraftsmithError(f"draft.options: {key} must be a {known[key].__name__}, got {value!r}")
 
 
 def layer_count(layers: str, kind: str) -> int:
-    """A layer count from ``draft_layers`` (e.g. the k shared layers of an early-exit draft)."""
+    """A layer count from ``draft.layers`` (e.g. the k shared layers of an early-exit draft)."""
     try:
         return int(layers)
     except ValueError as err:
-        raise DraftsmithError(f"{kind} drafts take draft_layers as a layer count, got {layers!r}") from err
+        raise DraftsmithError(f"{kind} drafts take draft.layers as a layer count, got {layers!r}") from err
 
 
 def serving_generation_config(config: GenerationConfig, serving: Serving) -> GenerationConfig:
@@ -361,7 +361,7 @@ class KindBase:
     """``DraftKind`` with what most kinds do the same way; a kind subclasses it and overrides what differs.
 
     Class attributes: ``name``; ``model_class``: the class of its draft objects (``owns``);
-    ``option_types``: its ``kind_options`` and their types (``check``); ``decode_options``: the
+    ``option_types``: its ``draft.options`` and their types (``check``); ``decode_options``: the
     decode options it takes; ``spec_help``: the drafts it names on the command line;
     ``standalone``: its folder is a causal LM transformers loads as an assistant (the card then
     shows transformers' usage); ``cuts_head``. The first of ``files()`` marks a folder of this

@@ -1,6 +1,6 @@
 """The standalone draft LM kind: a causal LM over the target's vocabulary with its own KV cache.
 
-Ways it starts (``draft_init``):
+Ways it starts (``draft.init``):
 
 - ``truncate``: the target's architecture keeping a chosen subset of its decoder layers, with the
   embeddings, final norm and LM head copied (so the draft speaks the target's tokenizer from step 0);
@@ -9,7 +9,7 @@ Ways it starts (``draft_init``):
 - any of them with a LoRA adapter (peft) when ``lora_r > 0``.
 
 It decodes on the decoder's own ``LMDrafter``, saves as a Hugging Face model folder (a LoRA draft:
-its adapter plus a merged copy), and serves in vLLM as ``draft_model``.
+its adapter plus a merged copy), and serves in vLLM as ``draft.model``.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def new_config_draft(target: PreTrainedModel, overrides: dict) -> PreTrainedMode
     and LM head are copied from the target, so the draft starts from the target's vocabulary geometry."""
     fields = target.config.to_dict() | overrides
     if fields["vocab_size"] != target.config.vocab_size:
-        raise DraftsmithError("draft_config may not change vocab_size: the draft must share the target's tokenizer")
+        raise DraftsmithError("draft.config may not change vocab_size: the draft must share the target's tokenizer")
     config = type(target.config)(**fields)
     draft = type(target)(config).to(dtype=target.dtype, device=target.device)
     if config.hidden_size == target.config.hidden_size:
@@ -102,7 +102,7 @@ def add_lora(draft: PreTrainedModel, rank: int, alpha: int, target_modules: list
     unknown = [name for name in target_modules if name not in names]
     if unknown:
         raise DraftsmithError(
-            f"lora_target_modules: the draft has no linear module named {', '.join(unknown)}; "
+            f"draft.lora_target_modules: the draft has no linear module named {', '.join(unknown)}; "
             f"it has {', '.join(sorted(names))}"
         )
     config = LoraConfig(
@@ -112,14 +112,14 @@ def add_lora(draft: PreTrainedModel, rank: int, alpha: int, target_modules: list
 
 
 def check_draft_config(target_config, overrides: dict) -> None:
-    """Refuse ``draft_config`` keys that the target's config class does not have (a typo would be ignored)."""
+    """Refuse ``draft.config`` keys that the target's config class does not have (a typo would be ignored)."""
     known = set(type(target_config)().to_dict()) | set(target_config.to_dict())
     for key in overrides:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise DraftsmithError(
-                f"draft_config: {key!r} is not a field of {type(target_config).__name__}; {hint}"
+                f"draft.config: {key!r} is not a field of {type(target_config).__name__}; {hint}"
                 "fix the key (nested keys are the target's config fields, e.g. num_hidden_layers)"
             )
 
@@ -150,7 +150,7 @@ def describe(settings: DraftSettings) -> str:
 
 
 class LMKind(KindBase):
-    """The standalone draft LM (``draft_kind: lm``)."""
+    """The standalone draft LM (``draft.kind: lm``)."""
 
     name = "lm"
     model_class = (PreTrainedModel, PeftModel)
@@ -162,16 +162,16 @@ class LMKind(KindBase):
 
     def check(self, settings: DraftSettings) -> None:
         if settings.init not in INITS:
-            raise DraftsmithError(f"draft_init must be one of {', '.join(INITS)} for lm drafts, got {settings.init!r}")
+            raise DraftsmithError(f"draft.init must be one of {', '.join(INITS)} for lm drafts, got {settings.init!r}")
         if settings.init == "pretrained" and not settings.model:
-            raise DraftsmithError("draft_init pretrained needs draft_model")
+            raise DraftsmithError("draft.init pretrained needs draft.model")
         if settings.config and settings.init != "config":
             raise DraftsmithError(
-                f"draft_config applies to draft_init config; draft_init {settings.init} ignores it: leave it out"
+                f"draft.config applies to draft.init config; draft.init {settings.init} ignores it: leave it out"
             )
         if settings.model and settings.init != "pretrained":
             raise DraftsmithError(
-                f"draft_model applies to draft_init pretrained; draft_init {settings.init} ignores it: leave it out"
+                f"draft.model applies to draft.init pretrained; draft.init {settings.init} ignores it: leave it out"
             )
         super().check(settings)
 

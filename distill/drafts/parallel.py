@@ -52,13 +52,13 @@ The teacher's p there is renormalized over the head's columns (with a cut head, 
 it has p 0 and its chain the floor). Held-out alpha reads the ordinary predictions (in eval mode no
 chains are built); ``position_acceptance`` measures every chain step.
 
-The mask token's input embedding learns even when ``freeze_embeddings`` keeps the others (and a tied
+The mask token's input embedding learns even when ``draft.freeze_embeddings`` keeps the others (and a tied
 head) fixed: the draft holds it as a separate row (``ParallelDraft.mask_row``) that replaces the
 embedding at mask positions, and writes it into the embedding matrix when saved, so that a saved
 folder is a plain model.
 
 **Serving**: a plain model folder whose ``config.json`` also has ``pard_token`` and
-``mask_token_id`` (vLLM reads either), served by vLLM as ``draft_model`` with
+``mask_token_id`` (vLLM reads either), served by vLLM as ``draft.model`` with
 ``parallel_drafting: true``.
 """
 
@@ -99,7 +99,7 @@ from draftsmith.specdec.tree import ROOT, TreeShape, reindex, top_nodes
 from draftsmith.specdec.tree_drafting import Tree
 from draftsmith.specdec.verify import TargetVerifier
 
-# kind_options: the mask token (required), the chain length trained, PARD's conditional drop, how the
+# draft.options: the mask token (required), the chain length trained, PARD's conditional drop, how the
 # mask rows are weighted (module docstring) and the weights' floor
 OPTIONS = {
     "mask_token_id": int,
@@ -569,8 +569,8 @@ def lm_state(draft: ParallelDraft, state: dict) -> dict:
 
 
 class ParallelKind(KindBase):
-    """The parallel draft (``draft_kind: parallel``): a standalone LM as ``lm`` builds it (``draft_init``,
-    ``draft_layers``, ...) with ``kind_options``: ``mask_token_id`` (required: an id of the target's
+    """The parallel draft (``draft.kind: parallel``): a standalone LM as ``lm`` builds it (``draft.init``,
+    ``draft.layers``, ...) with ``draft.options``: ``mask_token_id`` (required: an id of the target's
     vocabulary the data never uses, e.g. 16 ``<empty_output>`` for SmolLM2), ``k`` (the tokens a
     forward proposes in training, default 6), ``cod_ratio`` and ``cod_min`` (PARD's conditional
     drop: 0.7 and 0.2), ``chain_weights`` (``equal``, ``target`` or ``draft``: module docstring) and
@@ -581,7 +581,7 @@ class ParallelKind(KindBase):
     spec_help = "'parallel:LAYERS:MASK_ID' (the target truncated to LAYERS, drafting with that mask id)"
     option_types = OPTIONS
     standalone = True
-    # It trains with a cut head (train_draft_vocab) and decodes with the cut its folder carries
+    # It trains with a cut head (draft.vocab) and decodes with the cut its folder carries
     # (``load``); a wrapper cutting it again would hide its drafter, so nothing else cuts it.
     cuts_head = False
 
@@ -591,21 +591,21 @@ class ParallelKind(KindBase):
         options = self.options(settings)
         if "mask_token_id" not in settings.options:
             raise DraftsmithError(
-                "parallel drafts need kind_options.mask_token_id: an id of the target's vocabulary that the data "
+                "parallel drafts need draft.options.mask_token_id: an id of the target's vocabulary that the data "
                 "never uses (e.g. 16, <empty_output>, for SmolLM2)"
             )
         if options["k"] < 2:
-            raise DraftsmithError(f"kind_options: k must be >= 2 (tokens proposed per forward), got {options['k']}")
+            raise DraftsmithError(f"draft.options: k must be >= 2 (tokens proposed per forward), got {options['k']}")
         if not 0 < options["cod_ratio"] <= 1 or not 0 <= options["cod_min"] <= 1:
-            raise DraftsmithError("kind_options: cod_ratio must be in (0, 1] and cod_min in [0, 1]")
+            raise DraftsmithError("draft.options: cod_ratio must be in (0, 1] and cod_min in [0, 1]")
         scheme = options["chain_weights"]
         if scheme not in CHAIN_WEIGHTS:
             named = ", ".join(CHAIN_WEIGHTS)
-            raise DraftsmithError(f"kind_options: chain_weights must be one of {named}, got {scheme!r}")
+            raise DraftsmithError(f"draft.options: chain_weights must be one of {named}, got {scheme!r}")
         if not 0 <= options["weight_floor"] <= 1:
-            raise DraftsmithError(f"kind_options: weight_floor must be in [0, 1], got {options['weight_floor']}")
+            raise DraftsmithError(f"draft.options: weight_floor must be in [0, 1], got {options['weight_floor']}")
         if settings.lora_r:
-            raise DraftsmithError("parallel drafts train the whole draft: leave out lora_r")
+            raise DraftsmithError("parallel drafts train the whole draft: leave out draft.lora_r")
         if settings.loss == "accepted_length":  # its windows run over consecutive rows, not over chain steps
             raise DraftsmithError(
                 "parallel drafts weight their chain steps for accepted length themselves; "

@@ -84,7 +84,7 @@ def test_an_incomplete_build_trains_only_when_asked(built):
     manifest = read_manifest(built)
     assert check_trusted(built, "tiny")["complete"] is True
     (built / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
-    with pytest.raises(DraftsmithError, match="is an incomplete build .* or set allow_incomplete=true"):
+    with pytest.raises(DraftsmithError, match="is an incomplete build .* or set data.allow_incomplete=true"):
         check_trusted(built, "tiny")
     assert check_trusted(built, "tiny", allow_incomplete=True)["counts"]["rows"] == 7
     with pytest.raises(DraftsmithError, match="holds answers of target 'tiny', not of 'other'"):

@@ -63,21 +63,21 @@ def old_step_loss(cfg, draft, target, batch, ids, dense_teacher) -> torch.Tensor
     mask = batch["loss_mask"]
     labels = torch.where(mask, batch["input_ids"].roll(-1, dims=1), -100)
     student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-    args = (cfg.loss_temperature, cfg.jsd_beta, cfg.loss_gamma)
+    args = (cfg.loss.temperature, cfg.loss.jsd_beta, cfg.loss.gamma)
     if ids is None:
-        losses = token_losses(cfg.loss, student, dense_teacher, mask, *args)
+        losses = token_losses(cfg.loss.name, student, dense_teacher, mask, *args)
     else:
         student = student[..., ids]  # (B, T, N)
-        losses = subset_token_losses(cfg.loss, student, dense_teacher, mask, *args)
+        losses = subset_token_losses(cfg.loss.name, student, dense_teacher, mask, *args)
         labels = vocab_cut.subset_labels(labels, ids, target.config.vocab_size)
-    if cfg.ce_weight:
-        losses = (1 - cfg.ce_weight) * losses + cfg.ce_weight * cross_entropy(student, labels)
+    if cfg.loss.ce_weight:
+        losses = (1 - cfg.loss.ce_weight) * losses + cfg.loss.ce_weight * cross_entropy(student, labels)
     return losses.sum()
 
 
 def old_teacher(cfg, target, batch, ids, entries) -> torch.Tensor:
     """The old teacher tensor: (B, T, V) logits or dense cache log-probs, or (B, T, N) log-probs on ``ids``."""
-    vocab, temperature = target.config.vocab_size, cfg.loss_temperature
+    vocab, temperature = target.config.vocab_size, cfg.loss.temperature
     if entries is None:
         with torch.no_grad():
             logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -38,7 +38,14 @@ def world(tmp_path_factory):
     """A tiny run (initial/, checkpoint-2), a draft published from it, a user's own folder and file, a tiny
     (target, draft) pair saved to disk, datasets that may not train, and files a careless user passes."""
     root = tmp_path_factory.mktemp("world")
-    overrides = ["max_steps=2", "save_steps=2", "log_steps=2", "heldout=2", "max_samples=10", "gen_max_new_tokens=8"]
+    overrides = [
+        "optim.max_steps=2",
+        "save.steps=2",
+        "log.steps=2",
+        "data.heldout=2",
+        "data.max_samples=10",
+        "generate.max_new_tokens=8",
+    ]
     cfg = load_config(DistillConfig, config_path("tiny"), [f"output_dir={root / 'run'}", *overrides])
     run = train(cfg).run_dir
     assert main(["publish", str(run / "checkpoint-2"), "--out", str(root / "pub")]) == 0
@@ -221,28 +228,32 @@ CASES = [
     ("distill_duplicate_yaml_key", ["distill", "--config", "{dup_yaml}"], "key 'lr' appears twice (lines 2 and 4)"),
     ("distill_unknown_tiny_target_key", ["distill", "--config", "{nested_yaml}"], "did you mean num_hidden_layers?"),
     ("distill_unknown_nested_override", [*DISTILL, "tiny_target={{hiden_size: 8}}"], "field 'hiden_size'"),
-    ("distill_unknown_column_map_field", [*DISTILL, "column_map={{promt: q}}"], "column_map: unknown field 'promt'"),
+    (
+        "distill_unknown_column_map_field",
+        [*DISTILL, "data.column_map={{promt: q}}"],
+        "data.column_map: unknown field 'promt'",
+    ),
     ("distill_misspelled_key", [*DISTILL, "lrr=0.1"], "unknown config key 'lrr' in override (did you mean lr?)"),
-    ("distill_override_given_twice", [*DISTILL, "lr=0.1", "lr=0.2"], "override lr= is given twice"),
+    ("distill_override_given_twice", [*DISTILL, "optim.lr=0.1", "optim.lr=0.2"], "override lr= is given twice"),
     ("distill_config_not_found", ["distill", "--config", "tiyn"], "config not found: tiyn (give a YAML file"),
     ("distill_config_is_a_folder", ["distill", "--config", "{folder}"], "a-folder is a folder; give a YAML file"),
     ("distill_output_dir_under_a_file", [*DISTILL, "output_dir={under_file}"], "nothing can be written under it"),
     ("distill_output_dir_is_a_file", [*DISTILL, "output_dir={file}"], "is an existing file; give a folder path"),
-    ("distill_incomplete_dataset", [*DISTILL, "dataset={incomplete}"], "or set allow_incomplete=true"),
-    ("distill_dataset_of_another_target", [*DISTILL, "dataset={other_target}"], "holds answers of target"),
-    ("distill_gen_batch_size_zero", [*DISTILL, "gen_batch_size=0"], "gen_batch_size must be >= 1, got 0"),
-    ("distill_eval_limit_zero", [*DISTILL, "eval_speedup_steps=2", "eval_limit=0"], "eval_limit must be >= 1"),
+    ("distill_incomplete_dataset", [*DISTILL, "data.dataset={incomplete}"], "or set data.allow_incomplete=true"),
+    ("distill_dataset_of_another_target", [*DISTILL, "data.dataset={other_target}"], "holds answers of target"),
+    ("distill_gen_batch_size_zero", [*DISTILL, "generate.batch_size=0"], "generate.batch_size must be >= 1, got 0"),
+    ("distill_eval_limit_zero", [*DISTILL, "eval.speedup_steps=2", "eval.limit=0"], "eval.limit must be >= 1"),
     (
         "distill_teacher_top_k_above_vocab",
-        [*DISTILL, "teacher_cache=true", "teacher_top_k=100000"],
-        "teacher_top_k=100000 is more than the target's vocabulary (103 tokens)",
+        [*DISTILL, "teacher.cache=true", "teacher.top_k=100000"],
+        "teacher.top_k=100000 is more than the target's vocabulary (103 tokens)",
     ),
     (
         "distill_allow_incomplete_on_a_shipped_dataset",
-        [*DISTILL, "dataset=smollm2-self", "allow_incomplete=true"],
-        "dataset=smollm2-self is not one (a shipped dataset is complete): leave allow_incomplete out",
+        [*DISTILL, "data.dataset=smollm2-self", "data.allow_incomplete=true"],
+        "data.dataset=smollm2-self is not one (a shipped dataset is complete): leave data.allow_incomplete out",
     ),
-    ("distill_bad_number", [*DISTILL, "max_steps=ten"], "config field 'max_steps': 'ten' is not a valid int"),
+    ("distill_bad_number", [*DISTILL, "optim.max_steps=ten"], "config optim.max_steps: 'ten' is not a valid int"),
     # draftsmith eval-run
     ("eval_run_gamma_zero", [*EVAL_RUN, "--gammas", "0,2"], "--gammas must all be >= 1, got 0,2"),
     ("eval_run_gammas_not_numbers", [*EVAL_RUN, "--gammas", "a,b"], "--gammas must be a comma-separated list"),
@@ -280,7 +291,7 @@ CASES = [
     ("quickstart_gamma_zero", [*QUICK, "--gammas", "0"], "--gammas must all be >= 1"),
     ("quickstart_gammas_not_numbers", [*QUICK, "--gammas", "1;2"], "--gammas must be a comma-separated list"),
     ("quickstart_gammas_beyond_context", [*QUICK, "--gammas", "2,500"], "does not fit the target's context (512"),
-    ("quickstart_early_exit", [*QUICK, "draft_kind=early_exit"], "early-exit drafts share the target's layers"),
+    ("quickstart_early_exit", [*QUICK, "draft.kind=early_exit"], "early-exit drafts share the target's layers"),
     ("quickstart_limit_zero", [*QUICK, "--limit", "0"], "--limit must be >= 1"),
     ("quickstart_max_new_tokens_zero", [*QUICK, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     ("quickstart_prompts_folder", [*QUICK, "--prompts", "{folder}"], "a-folder is a folder; give a JSONL file"),
@@ -291,8 +302,8 @@ CASES = [
     ("quickstart_output_dir_is_a_file", [*QUICK[:1], "--output-dir", "{file}"], "is a file, not a folder"),
     ("quickstart_output_dir_under_a_file", [*QUICK[:1], "--output-dir", "{under_file}"], "written under it"),
     ("quickstart_empty_config", [*QUICK[:3], "--config", "{empty_yaml}"], "is empty; a config says what"),
-    ("quickstart_unknown_override", [*QUICK, "max_stpes=3"], "did you mean max_steps?"),
-    ("quickstart_incomplete_dataset", [*QUICK, "dataset={incomplete}"], "is an incomplete build"),
+    ("quickstart_unknown_override", [*QUICK, "max_stpes=3"], "did you mean optim.max_steps?"),
+    ("quickstart_incomplete_dataset", [*QUICK, "data.dataset={incomplete}"], "is an incomplete build"),
 ]
 
 
@@ -410,12 +421,12 @@ def test_an_engine_environment_without_vllm_is_refused_before_any_work(world, ca
 KIND_CASES = [
     (
         "lora_module_the_model_lacks",
-        ["lora_r=4", "lora_target_modules=[q_prj, v_proj]"],
-        "lora_target_modules: the draft has no linear module named q_prj; it has ",
+        ["draft.lora_r=4", "draft.lora_target_modules=[q_prj, v_proj]"],
+        "draft.lora_target_modules: the draft has no linear module named q_prj; it has ",
     ),
     (
         "parallel_mask_the_data_uses",
-        ["draft_kind=parallel", "draft_layers=1", "kind_options={{mask_token_id: 3}}"],
+        ["draft.kind=parallel", "draft.layers=1", "draft.options={{mask_token_id: 3}}"],
         "mask_token_id 3 (<|user|>) is a token the data uses: the chat template writes it into every prompt",
     ),
 ]
@@ -424,5 +435,7 @@ KIND_CASES = [
 @pytest.mark.parametrize("overrides, message", [c[1:] for c in KIND_CASES], ids=[c[0] for c in KIND_CASES])
 def test_kind_settings_the_models_refuse_stop_before_training(tmp_path, capsys, overrides, message):
     run = tmp_path / "run"
-    assert message in refused([*DISTILL, f"output_dir={run}", "max_steps=2", "save_steps=2", *overrides], {}, capsys)
+    assert message in refused(
+        [*DISTILL, f"output_dir={run}", "optim.max_steps=2", "save.steps=2", *overrides], {}, capsys
+    )
     assert not list(run.glob("checkpoint-*")) and not (run / "metrics.jsonl").exists()

@@ -213,15 +213,22 @@ def test_distill_trains_from_a_built_dataset_by_path(target, tmp_path, capsys):
     assert main(self_args(target, data, 12)) == 0
     built = load_built(data)
     run = tmp_path / "run"
-    base = ["distill", "--config", "tiny", f"target={target}", "draft_init=truncate", "draft_layers=1"]
-    overrides = [f"dataset={data}", "heldout=2", "max_steps=2", "save_steps=2", "batch_size=4", "device=cpu"]
+    base = ["distill", "--config", "tiny", f"target={target}", "draft.init=truncate", "draft.layers=1"]
+    overrides = [
+        f"data.dataset={data}",
+        "data.heldout=2",
+        "optim.max_steps=2",
+        "save.steps=2",
+        "optim.batch_size=4",
+        "device=cpu",
+    ]
     assert main([*base, *overrides, f"output_dir={run}"]) == 0
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 2 and 0 < record["acceptance_rate"] <= 1
     # every built row is used and none is generated anew: 12 rows, 2 held out
     assert len(built) == 12
     assert "; 10 training sequences" in capsys.readouterr().out
-    other = ["distill", "--config", "tiny", f"dataset={data}", f"output_dir={tmp_path / 'other'}"]
+    other = ["distill", "--config", "tiny", f"data.dataset={data}", f"output_dir={tmp_path / 'other'}"]
     assert main(other) == 2
     assert "holds answers of target" in capsys.readouterr().err
 

@@ -31,7 +31,7 @@ def published(tmp_path_factory):
     """A tiny run measured with a 12-token draft vocabulary at gammas 1 and 3, its best published, and
     the run's target saved as a model folder."""
     root = tmp_path_factory.mktemp("pub")
-    cfg = load_config(DistillConfig, TINY, [f"output_dir={root / 'run'}", "max_steps=2", "save_steps=2"])
+    cfg = load_config(DistillConfig, TINY, [f"output_dir={root / 'run'}", "optim.max_steps=2", "save.steps=2"])
     run_dir = train(cfg).run_dir
     assert main(["eval-run", str(run_dir), *MEASURE, "--gammas", "1,3", "--draft-vocab", "12"]) == 0
     assert main(["publish", str(run_dir), "--out", str(root / "draft")]) == 0

@@ -28,7 +28,9 @@ EVAL = ["--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12", "--gamma
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "run"
     cfg = load_config(
-        DistillConfig, TINY, [f"output_dir={out}", "max_steps=4", "save_steps=2", "log_steps=2", "keep_last=2"]
+        DistillConfig,
+        TINY,
+        [f"output_dir={out}", "optim.max_steps=4", "save.steps=2", "log.steps=2", "save.keep_last=2"],
     )
     return train(cfg).run_dir
 
@@ -207,9 +209,9 @@ def test_quickstart_end_to_end_on_the_tiny_config(tmp_path, capsys, monkeypatch)
             "12",
             "--gammas",
             "1,2",
-            "max_steps=4",
-            "save_steps=2",
-            "log_steps=2",
+            "optim.max_steps=4",
+            "save.steps=2",
+            "log.steps=2",
         ]
     )
     assert code == 0
@@ -232,11 +234,11 @@ def test_early_exit_draft_trains_evaluates_with_kv_reuse_and_is_not_published(tm
         TINY,
         [
             f"output_dir={tmp_path / 'ee'}",
-            "draft_kind=early_exit",
-            "draft_layers=2",
-            "max_steps=4",
-            "save_steps=4",
-            "log_steps=2",
+            "draft.kind=early_exit",
+            "draft.layers=2",
+            "optim.max_steps=4",
+            "save.steps=4",
+            "log.steps=2",
         ],
     )
     run = train(cfg).run_dir

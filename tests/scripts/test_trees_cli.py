@@ -99,7 +99,7 @@ def test_bad_tree_settings_are_one_line_errors(pair, prompts, tmp_path, capsys, 
 def measured_run(tmp_path_factory):
     """A tiny run measured by eval-run at gammas 1 and 2 and the trees ``TREES``."""
     root = tmp_path_factory.mktemp("trees")
-    cfg = load_config(DistillConfig, TINY, [f"output_dir={root / 'run'}", "max_steps=2", "save_steps=2"])
+    cfg = load_config(DistillConfig, TINY, [f"output_dir={root / 'run'}", "optim.max_steps=2", "save.steps=2"])
     run_dir = train(cfg).run_dir
     assert main(["eval-run", str(run_dir), *MEASURE, "--gammas", "1,2", "--trees", *TREES]) == 0
     target, tokenizer = load_target(load_run_config(run_dir), torch.device("cpu"))

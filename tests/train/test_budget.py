@@ -18,11 +18,11 @@ TINY = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 def test_a_plan_fits_the_budget_within_max_steps():
     plan = budget.make_plan(minutes=2, step_seconds=1.5, done=5, max_steps=900, checkpoints=3, log_steps=10)
     assert (plan.max_steps, plan.save_steps, plan.log_steps) == (80, 27, 10)  # 120 s / 1.5 s
-    assert budget.make_plan(2, 0.01, 5, 900, 3, 10).max_steps == 900  # a fast machine stops at max_steps
+    assert budget.make_plan(2, 0.01, 5, 900, 3, 10).max_steps == 900  # a fast machine stops at optim.max_steps
     assert budget.make_plan(0.01, 5.0, 5, 900, 3, 10).max_steps == 6  # a spent budget ends after one more step
     assert budget.make_plan(1, 1.0, 0, 900, 3, 50).log_steps == 20  # logs no sparser than checkpoints
     # The first step pays for warm-up and is left out of the step time.
-    cfg = load_config(DistillConfig, TINY, ["max_minutes=1"])
+    cfg = load_config(DistillConfig, TINY, ["optim.max_minutes=1"])
     assert budget.timed_plan(cfg, 5, [9.0, 1.0, 1.0, 1.0, 1.0]) is None  # PLAN_AFTER steps after the first
     assert budget.timed_plan(cfg, 6, [9.0, 1.0, 1.0, 1.0, 1.0, 1.0]).step_seconds == 1.0
 
@@ -54,7 +54,9 @@ def half_second_steps(monkeypatch):
 
 def budget_run(out: Path, stop_at_step: int | None = None):
     # 0.2 minutes at 0.5 s a step: 24 steps of the config's 100, checkpoints every 8.
-    cfg = load_config(DistillConfig, TINY, [f"output_dir={out}", "max_steps=100", "max_minutes=0.2", "log_steps=4"])
+    cfg = load_config(
+        DistillConfig, TINY, [f"output_dir={out}", "optim.max_steps=100", "optim.max_minutes=0.2", "log.steps=4"]
+    )
     return train(cfg, stop_at_step=stop_at_step)
 
 
@@ -64,7 +66,7 @@ def test_a_budget_plans_its_steps_schedule_and_checkpoints(tmp_path, half_second
     assert (plan["max_steps"], plan["save_steps"], plan["log_steps"]) == (24, 8, 4)
     assert plan["step_seconds"] == pytest.approx(0.499, abs=1e-4)
     assert result.step == 24
-    assert [step for step, _ in checkpoint_dirs(tmp_path / "run")] == [16, 24]  # keep_last 2 of 8, 16, 24
+    assert [step for step, _ in checkpoint_dirs(tmp_path / "run")] == [16, 24]  # save.keep_last 2 of 8, 16, 24
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 4, 8, 12, 16, 20, 24]
     assert records[-1]["lr"] == pytest.approx(0.0, abs=1e-9)  # the cosine decays to the planned last step

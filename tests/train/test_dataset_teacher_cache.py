@@ -40,8 +40,21 @@ def data_args(target, output, *extra) -> list[str]:
 
 
 def run_cfg(target, data, folder) -> DistillConfig:
-    overrides = [f"target={target}", f"dataset={data}", "heldout=2", "max_steps=3", "save_steps=3", "log_steps=3"]
-    overrides += ["teacher_cache=true", "teacher_top_k=6", "max_length=24", "batch_size=4", f"output_dir={folder}"]
+    overrides = [
+        f"target={target}",
+        f"data.dataset={data}",
+        "data.heldout=2",
+        "optim.max_steps=3",
+        "save.steps=3",
+        "log.steps=3",
+    ]
+    overrides += [
+        "teacher.cache=true",
+        "teacher.top_k=6",
+        "data.max_length=24",
+        "optim.batch_size=4",
+        f"output_dir={folder}",
+    ]
     return load_config(DistillConfig, config_path("tiny"), overrides)
 
 

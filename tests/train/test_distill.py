@@ -107,19 +107,19 @@ def test_incomplete_checkpoint_is_skipped(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"skipping incomplete checkpoint {run / 'checkpoint-4'} (missing draftsmith.json" in err
     assert result.step == 6 and [r["step"] for r in read_jsonl(run / "losses.jsonl")] == list(range(1, 7))
-    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # keep_last 2
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # save.keep_last 2
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["nonsense_key=1"], "unknown config key 'nonsense_key'"),
-        (["max_steps=abc"], "config field 'max_steps': 'abc' is not a valid int"),
-        (["loss=mse"], "loss must be one of"),
-        (["lr=-1"], "lr must be > 0"),
-        (["dataset=./missing.jsonl"], "data file not found: ./missing.jsonl"),
-        (["teacher_dtype=half"], "teacher_dtype must be auto, float32, bfloat16 or float16"),
-        (["draft_kind=early_exit", "teacher_dtype=bfloat16"], "early_exit drafts share the target's layers"),
+        (["optim.max_steps=abc"], "config optim.max_steps: 'abc' is not a valid int"),
+        (["loss.name=mse"], "loss.name must be one of"),
+        (["optim.lr=-1"], "lr must be > 0"),
+        (["data.dataset=./missing.jsonl"], "data file not found: ./missing.jsonl"),
+        (["teacher.dtype=half"], "teacher.dtype must be auto, float32, bfloat16 or float16"),
+        (["draft.kind=early_exit", "teacher.dtype=bfloat16"], "early_exit drafts share the target's layers"),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path, capsys, args, message):
@@ -138,11 +138,15 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path, capsys):
 
 def test_shipped_config_by_name_from_another_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no configs/ folder here: the name resolves to the installed package
-    assert main(["distill", "--config", "tiny", "max_steps=2", "save_steps=2", "log_steps=2", "output_dir=run"]) == 0
+    assert (
+        main(["distill", "--config", "tiny", "optim.max_steps=2", "save.steps=2", "log.steps=2", "output_dir=run"]) == 0
+    )
     assert capsys.readouterr().out.strip().endswith("run folder: run")
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
     saved = load_config(DistillConfig, str(tmp_path / "run" / "config.yaml"), [])
-    assert saved == load_config(DistillConfig, TINY, ["max_steps=2", "save_steps=2", "log_steps=2", "output_dir=run"])
+    assert saved == load_config(
+        DistillConfig, TINY, ["optim.max_steps=2", "save.steps=2", "log.steps=2", "output_dir=run"]
+    )
     assert main(["distill", "--config", "smollm2-135m.yaml", "nonsense_key=1"]) == 2  # found, then validated
     assert "unknown config key 'nonsense_key'" in capsys.readouterr().err
     assert main(["distill", "--config", "tinny"]) == 2
@@ -156,7 +160,7 @@ def test_shipped_config_by_name_from_another_folder(tmp_path, monkeypatch, capsy
 def test_dataset_without_usable_rows(tmp_path, capsys):
     data = tmp_path / "few.jsonl"
     data.write_text('{"prompt": "hi"}\n' * 3)
-    code = main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", f"dataset={data}"])
+    code = main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", f"data.dataset={data}"])
     assert code == 2
     assert "has 3 rows; need more than heldout=8" in capsys.readouterr().err
 

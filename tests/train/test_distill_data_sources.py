@@ -8,7 +8,7 @@ from draftsmith.cli import main
 from draftsmith.train.config import config_path
 
 TINY = config_path("tiny")
-SMALL = ["heldout=4", "gen_max_new_tokens=8", "max_steps=1", "save_steps=1", "log_steps=1"]
+SMALL = ["data.heldout=4", "generate.max_new_tokens=8", "optim.max_steps=1", "save.steps=1", "log.steps=1"]
 
 
 def prompts(count: int) -> list[dict]:
@@ -26,9 +26,9 @@ def test_csv_file_capped_by_max_samples(tmp_path, capsys):
         writer = csv.DictWriter(f, fieldnames=["prompt", "category"])
         writer.writeheader()
         writer.writerows(prompts(16))
-    assert main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", f"dataset={data}", *SMALL]) == 0
+    assert main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", f"data.dataset={data}", *SMALL]) == 0
     assert training_sequences(capsys.readouterr().out) == 12  # 16 rows, 4 held out
-    args = [f"output_dir={tmp_path / 'capped'}", f"dataset={data}", "max_samples=10", *SMALL]
+    args = [f"output_dir={tmp_path / 'capped'}", f"data.dataset={data}", "data.max_samples=10", *SMALL]
     assert main(["distill", "--config", TINY, *args]) == 0
     assert training_sequences(capsys.readouterr().out) == 6  # the first 10 rows, 4 held out
 
@@ -37,15 +37,15 @@ def test_save_to_disk_folder_and_its_split(tmp_path, capsys):
     folder = tmp_path / "saved"
     splits = {"train": datasets.Dataset.from_list(prompts(9)), "test": datasets.Dataset.from_list(prompts(14))}
     datasets.DatasetDict(splits).save_to_disk(str(folder))
-    args = [f"output_dir={tmp_path / 'run'}", f"dataset={folder}", "dataset_split=test", *SMALL]
+    args = [f"output_dir={tmp_path / 'run'}", f"data.dataset={folder}", "data.split=test", *SMALL]
     assert main(["distill", "--config", TINY, *args]) == 0
     assert training_sequences(capsys.readouterr().out) == 10  # the test split's 14 rows, 4 held out
     assert (
-        main(["distill", "--config", TINY, f"output_dir={tmp_path / 'b'}", f"dataset={folder}", "dataset_split=dev"])
+        main(["distill", "--config", TINY, f"output_dir={tmp_path / 'b'}", f"data.dataset={folder}", "data.split=dev"])
         == 2
     )
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"{folder} has no split 'dev'; it has train, test (set dataset_split)" in err
+    assert f"{folder} has no split 'dev'; it has train, test (set data.split)" in err
 
 
 def test_prompt_completion_rows_train_on_the_completion_only():
@@ -65,13 +65,13 @@ def test_prompt_completion_rows_train_on_the_completion_only():
 def test_column_map_names_the_prompt_column(tmp_path, capsys):
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(f'{{"query": "Count from {i} to {i + 3}.", "id": {i}}}\n' for i in range(10)))
-    run = [f"dataset={data}", *SMALL]
+    run = [f"data.dataset={data}", *SMALL]
     assert main(["distill", "--config", TINY, f"output_dir={tmp_path / 'a'}", *run]) == 2
     assert "row 0" in capsys.readouterr().err  # no prompt field without the mapping
-    mapped = [f"output_dir={tmp_path / 'b'}", "column_map={prompt: query}", *run]
+    mapped = [f"output_dir={tmp_path / 'b'}", "data.column_map={prompt: query}", *run]
     assert main(["distill", "--config", TINY, *mapped]) == 0
     assert training_sequences(capsys.readouterr().out) == 6  # 10 rows, 4 held out
-    wrong = [f"output_dir={tmp_path / 'c'}", "column_map={prompt: ask}", *run]
+    wrong = [f"output_dir={tmp_path / 'c'}", "data.column_map={prompt: ask}", *run]
     assert main(["distill", "--config", TINY, *wrong]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "column_map names column(s) ask that the data does not have; its columns are query, id" in err
+    assert "data.column_map names column(s) ask that the data does not have; its columns are query, id" in err

@@ -1,5 +1,5 @@
-"""What a distill run reports as it goes: console lines per log_steps, grad norm in metrics.jsonl,
-TensorBoard event files with report_to, and a closing summary with the next command."""
+"""What a distill run reports as it goes: console lines per log.steps, grad norm in metrics.jsonl,
+TensorBoard event files with log.report_to, and a closing summary with the next command."""
 
 import json
 import re
@@ -15,7 +15,7 @@ TINY = config_path("tiny")
 def test_tensorboard_events_console_lines_and_summary(tmp_path, capsys):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     run = tmp_path / "run"
-    args = [f"output_dir={run}", "max_steps=4", "save_steps=4", "log_steps=2", "report_to=tensorboard"]
+    args = [f"output_dir={run}", "optim.max_steps=4", "save.steps=4", "log.steps=2", "log.report_to=tensorboard"]
     assert main(["distill", "--config", TINY, *args]) == 0
     captured = capsys.readouterr()
     out = captured.out + captured.err
@@ -42,6 +42,6 @@ def test_tensorboard_events_console_lines_and_summary(tmp_path, capsys):
 
 
 def test_tracker_that_is_not_known_is_refused(tmp_path, capsys):
-    assert main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", "report_to=neptune"]) == 2
+    assert main(["distill", "--config", TINY, f"output_dir={tmp_path / 'run'}", "log.report_to=neptune"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "report_to must be none or a comma-separated list of tensorboard, wandb, trackio" in err
+    assert "log.report_to must be none or a comma-separated list of tensorboard, wandb, trackio" in err

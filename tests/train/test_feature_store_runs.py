@@ -82,8 +82,15 @@ def test_an_eagle3_run_reads_the_feature_store_the_data_step_wrote(tmp_path, hom
     rows = {tuple(e["input_ids"]) for e in training_examples(data, 24)}  # the rows as distill cuts them
     assert (meta["layers"], meta["hidden_dtype"], meta["target_key"]) == ([0, 1, 2, 3, 4], "bfloat16", "dataset")
     assert meta["examples"] == len(rows) >= 8
-    items = [f"target={target}", f"dataset={data}", "heldout=2", "teacher_cache=true", "teacher_top_k=6"]
-    items += ["max_length=24", "batch_size=4", "draft_kind=eagle3", "max_steps=2", "save_steps=2", "log_steps=2"]
+    items = [f"target={target}", f"data.dataset={data}", "data.heldout=2", "teacher.cache=true", "teacher.top_k=6"]
+    items += [
+        "data.max_length=24",
+        "optim.batch_size=4",
+        "draft.kind=eagle3",
+        "optim.max_steps=2",
+        "save.steps=2",
+        "log.steps=2",
+    ]
     run = train(load_config(DistillConfig, config_path("tiny"), [f"output_dir={tmp_path / 'run'}", *items])).run_dir
     assert summary(run)["teacher_forwards"] == 0 and summary(run)["store"] == str(store)
     assert not (home / "teacher-cache").exists()  # the run built no store of its own

@@ -13,13 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 # the second epoch and the resumed run must rebuild that epoch's order and skip its first 2 batches.
 # On-policy data is mixed in, its pool refreshed every 3 steps (steps 9 and 12 after the resume).
 SETTINGS = [
-    "max_steps=12",
-    "save_steps=4",
-    "log_steps=4",
-    "on_policy_fraction=0.5",
-    "on_policy_refresh_steps=3",
-    "on_policy_pool=8",
-    "gen_temperature=0.8",
+    "optim.max_steps=12",
+    "save.steps=4",
+    "log.steps=4",
+    "on_policy.fraction=0.5",
+    "on_policy.refresh_steps=3",
+    "on_policy.pool=8",
+    "generate.temperature=0.8",
 ]
 
 

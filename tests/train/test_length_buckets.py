@@ -1,4 +1,4 @@
-"""Length-bucketed batches (bucket_batches): little padding, an order fixed by (seed, epoch), exact resume;
+"""Length-bucketed batches (data.bucket_batches): little padding, an order fixed by (seed, epoch), exact resume;
 and the threads a training process takes."""
 
 import json

@@ -16,7 +16,7 @@ from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
 
 ROOT = Path(__file__).parents[2]
-COMMON = ["max_steps=4", "save_steps=4", "log_steps=2", "grad_accum=1"]
+COMMON = ["optim.max_steps=4", "save.steps=4", "log.steps=2", "optim.grad_accum=1"]
 
 
 def read_losses(run):
@@ -48,27 +48,29 @@ def two_ranks(tmp_path: Path, two: Path, *items: str) -> None:
 # differ between one process running two micro-batches and two processes running one each): all of a
 # parallel draft's chains kept, every DFlash anchor taken. A kind registered later trains as it comes.
 KIND_ITEMS = {
-    "eagle3": ["train_draft_vocab=30"],
-    "parallel": ['kind_options={"mask_token_id": 2, "k": 3, "cod_ratio": 1.0, "cod_min": 1.0}'],
-    "dflash": ["draft_layers=1", 'kind_options={"mask_token_id": 2, "block_size": 4, "max_anchors": 1000}'],
+    "eagle3": ["draft.vocab=30"],
+    "parallel": ['draft.options={"mask_token_id": 2, "k": 3, "cod_ratio": 1.0, "cod_min": 1.0}'],
+    "dflash": ["draft.layers=1", 'draft.options={"mask_token_id": 2, "block_size": 4, "max_anchors": 1000}'],
 }
-STORE = ["teacher_cache=true", "teacher_top_k=103", "teacher_cache_dtype=float32"]  # the whole tiny vocabulary
+STORE = ["teacher.cache=true", "teacher.top_k=103", "teacher.cache_dtype=float32"]  # the whole tiny vocabulary
 
 
 @pytest.mark.parametrize("teacher", ["live", "store"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_kind_in_two_processes_matches_one(tmp_path, monkeypatch, kind, teacher):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # the store the two processes build, read by one
-    items = [f"draft_kind={kind}", *KIND_ITEMS.get(kind, []), "batch_size=4", "max_steps=2", "save_steps=2"]
-    items += ["log_steps=2", *(STORE if teacher == "store" else [])]
+    items = [f"draft.kind={kind}", *KIND_ITEMS.get(kind, []), "optim.batch_size=4", "optim.max_steps=2", "save.steps=2"]
+    items += ["log.steps=2", *(STORE if teacher == "store" else [])]
     two = tmp_path / "two"
-    two_ranks(tmp_path, two, f"output_dir={two / 'run'}", *items, "grad_accum=1")
+    two_ranks(tmp_path, two, f"output_dir={two / 'run'}", *items, "optim.grad_accum=1")
     rank0, rank1 = load_file(two / "rank-0.safetensors"), load_file(two / "rank-1.safetensors")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
     one = train(
-        load_config(DistillConfig, config_path("tiny"), [f"output_dir={tmp_path / 'one'}", *items, "grad_accum=2"])
+        load_config(
+            DistillConfig, config_path("tiny"), [f"output_dir={tmp_path / 'one'}", *items, "optim.grad_accum=2"]
+        )
     )
     assert read_losses(two / "run") == pytest.approx(read_losses(one.run_dir), rel=1e-4)
     single = one.draft.state_dict()
@@ -87,7 +89,7 @@ def test_every_kind_in_two_processes_matches_one(tmp_path, monkeypatch, kind, te
 @pytest.mark.parametrize("cut", [0, 40])
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path, cut):
     two = tmp_path / "two"
-    two_ranks(tmp_path, two, f"output_dir={two / 'run'}", "batch_size=4", f"train_draft_vocab={cut}", *COMMON)
+    two_ranks(tmp_path, two, f"output_dir={two / 'run'}", "optim.batch_size=4", f"draft.vocab={cut}", *COMMON)
     rank0, rank1 = load_file(two / "rank-0.safetensors"), load_file(two / "rank-1.safetensors")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
@@ -98,8 +100,8 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, cut):
         load_config(
             DistillConfig,
             config_path("tiny"),
-            [f"output_dir={tmp_path / 'one'}", "batch_size=4", f"train_draft_vocab={cut}", *COMMON[:-1]]
-            + ["grad_accum=2"],
+            [f"output_dir={tmp_path / 'one'}", "optim.batch_size=4", f"draft.vocab={cut}", *COMMON[:-1]]
+            + ["optim.grad_accum=2"],
         )
     ).run_dir
     assert read_losses(two / "run") == pytest.approx(read_losses(one), rel=1e-4)

@@ -11,9 +11,9 @@ from draftsmith.train.examples import build_examples
 
 
 def test_the_default_config_trains_on_the_shipped_dataset_by_name():
-    cfg = load_config(DistillConfig, config_path("smollm2-135m"), ["max_samples=40", "heldout=4"])
-    assert cfg.dataset == "smollm2-self"
-    folder = dataset_builder.built_folder(cfg.dataset)
+    cfg = load_config(DistillConfig, config_path("smollm2-135m"), ["data.max_samples=40", "data.heldout=4"])
+    assert cfg.data.dataset == "smollm2-self"
+    folder = dataset_builder.built_folder(cfg.data.dataset)
     assert folder == dataset_builder.SHIPPED / "smollm2-self"
     counts = dataset_builder.read_manifest(folder)["counts"]
     assert (counts["rows"], counts["answer_tokens"]) == (2400, 453996)
@@ -22,7 +22,7 @@ def test_the_default_config_trains_on_the_shipped_dataset_by_name():
     train, held = build_examples(cfg, target=None, tokenizer=None, accelerator=None)
     assert (len(train), len(held)) == (36, 4)
     for example in train + held:
-        assert len(example["input_ids"]) == len(example["loss_mask"]) <= cfg.max_length
+        assert len(example["input_ids"]) == len(example["loss_mask"]) <= cfg.data.max_length
         assert 0 < sum(example["loss_mask"]) < len(example["input_ids"])  # the prompt is not learned
 
 
@@ -37,6 +37,6 @@ def test_only_dataset_folders_are_built_folders(tmp_path, monkeypatch):
 
 
 def test_the_shipped_dataset_refuses_another_target():
-    cfg = load_config(DistillConfig, config_path("tiny"), ["dataset=smollm2-self"])
+    cfg = load_config(DistillConfig, config_path("tiny"), ["data.dataset=smollm2-self"])
     with pytest.raises(DraftsmithError, match="holds answers of target 'smollm2-135m-instruct', not of 'tiny'"):
         build_examples(cfg, target=None, tokenizer=None, accelerator=None)

@@ -1,4 +1,4 @@
-"""Training with the draft's head cut to the frequency-ranked tokens (train_draft_vocab) on configs/tiny.yaml."""
+"""Training with the draft's head cut to the frequency-ranked tokens (draft.vocab) on configs/tiny.yaml."""
 
 import json
 from pathlib import Path
@@ -114,7 +114,7 @@ def test_cut_with_a_full_teacher_cache_trains_as_with_the_live_teacher(tmp_path)
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"train_draft_vocab": -1}, "train_draft_vocab must be >= 0"),
+        ({"train_draft_vocab": -1}, "draft.vocab must be >= 0"),
         ({"train_draft_vocab": 8, "draft_kind": "early_exit"}, "early_exit drafts share the target's head"),
     ],
 )

@@ -148,7 +148,7 @@ def test_settings_the_kind_cannot_use_are_refused_by_name():
         KIND.check(DraftSettings(kind="dflash"))
     with pytest.raises(DraftsmithError, match="leave out lora_r"):
         KIND.check(DraftSettings(kind="dflash", lora_r=8, options={"mask_token_id": 16}))
-    with pytest.raises(DraftsmithError, match="leave out train_draft_vocab"):
+    with pytest.raises(DraftsmithError, match="leave out draft.vocab"):
         KIND.check(DraftSettings(kind="dflash", train_draft_vocab=100, options={"mask_token_id": 16}))
     with pytest.raises(DraftsmithError, match="'block' is not an option of dflash drafts.*'block_size'"):
         KIND.check(DraftSettings(kind="dflash", options={"mask_token_id": 16, "block": 4}))

@@ -385,8 +385,8 @@ def test_settings_the_kind_cannot_use_are_refused_by_name():
 
 def test_the_kind_trains_checkpoints_ranks_and_publishes(tmp_path):
     run = tmp_path / "run"
-    common = ["--config", "tiny", f"output_dir={run}", "draft_kind=eagle3", "train_draft_vocab=30"]
-    assert main(["distill", *common, "max_steps=10", "save_steps=5", "log_steps=5", "lr=0.003"]) == 0
+    common = ["--config", "tiny", f"output_dir={run}", "draft.kind=eagle3", "draft.vocab=30"]
+    assert main(["distill", *common, "optim.max_steps=10", "save.steps=5", "log.steps=5", "optim.lr=0.003"]) == 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 5, 10]
     assert metrics[-1]["acceptance_rate"] > metrics[0]["acceptance_rate"] + 0.05  # 0.29 -> 0.41 when written

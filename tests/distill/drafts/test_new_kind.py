@@ -166,8 +166,8 @@ def test_the_kind_samples_as_the_target_does():
 
 def test_a_registered_kind_trains_checkpoints_ranks_and_publishes(registered, tmp_path, capsys):
     run = tmp_path / "run"
-    common = ["--config", "tiny", f"output_dir={run}", "draft_kind=last_state", "max_steps=6", "save_steps=3"]
-    assert main(["distill", *common, "lr=0.01", "log_steps=3"]) == 0
+    common = ["--config", "tiny", f"output_dir={run}", "draft.kind=last_state", "optim.max_steps=6", "save.steps=3"]
+    assert main(["distill", *common, "optim.lr=0.01", "log.steps=3"]) == 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 3, 6]
     assert metrics[-1]["acceptance_rate"] > metrics[0]["acceptance_rate"] + 0.05  # it learned from the states

@@ -618,8 +618,8 @@ def heldout_answers(target, tokenizer, count: int = 16) -> dict:
 
 def test_distill_raises_the_acceptance_of_positions_2_to_k_and_the_draft_ranks_and_publishes(tmp_path):
     run = tmp_path / "run"
-    kind = ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}"]  # <unk>: the character data has none
-    steps = ["max_steps=10", "save_steps=10", "log_steps=10", "train_draft_vocab=48"]  # a cut head too
+    kind = ["draft.kind=parallel", "draft.options={mask_token_id: 2, k: 4}"]  # <unk>: the character data has none
+    steps = ["optim.max_steps=10", "save.steps=10", "log.steps=10", "draft.vocab=48"]  # a cut head too
     common = ["--config", "tiny", f"output_dir={run}", *kind, *steps]
     assert main(["distill", *common]) == 0
     checkpoint = run / "checkpoint-10"
@@ -656,8 +656,8 @@ PINNED_CHAIN_LOSSES = [1.2921321392059326, 1.3026052713394165, 1.099622368812561
 
 def test_a_tiny_parallel_run_has_pinned_losses_and_learns_only_the_mask_row_of_its_frozen_embeddings(tmp_path):
     run = tmp_path / "run"
-    kind = ["draft_kind=parallel", "kind_options={mask_token_id: 2, k: 4}", "freeze_embeddings=true"]
-    steps = ["max_steps=3", "save_steps=3", "log_steps=3"]
+    kind = ["draft.kind=parallel", "draft.options={mask_token_id: 2, k: 4}", "draft.freeze_embeddings=true"]
+    steps = ["optim.max_steps=3", "save.steps=3", "log.steps=3"]
     assert main(["distill", "--config", "tiny", f"output_dir={run}", *kind, *steps]) == 0
     losses = [json.loads(line)["loss"] for line in (run / "losses.jsonl").read_text().splitlines()]
     assert losses == pytest.approx(PINNED_CHAIN_LOSSES, abs=1e-5)
