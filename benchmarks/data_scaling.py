@@ -5,7 +5,7 @@
    grown until it holds the largest token budget (resumable: re-running continues it).
 2. Held-out prompts: the target writes prompts on two topics the training prompts never used
    (translation, reasoning); only their first turns are kept. With --teacher-cache K the data step
-   also stores the target's top-K log-probs (pass --set teacher_cache=true to train from them).
+   also stores the target's top-K log-probs (pass --set teacher.cache=true to train from them).
 3. For each budget (25 k, 100 k, 400 k answer tokens by default), the default config
    (smollm2-135m: 2-layer truncated draft, forward KL) trains for one epoch over the first rows
    holding that many tokens, so every run takes the same steps per token.
@@ -101,7 +101,7 @@ def heldout_prompts(args, work: Path) -> Path:
 def train_budget(args, work: Path, data: Path, lengths: list[int], budget: int) -> tuple[Path, dict]:
     """One epoch over the first rows holding ``budget`` answer tokens; returns (final checkpoint, facts)."""
     rows = next(i + 1 for i in range(len(lengths)) if sum(lengths[: i + 1]) >= budget)
-    live = "teacher.cache=false"  # one epoch: the live target, unless --set teacher_cache=true
+    live = "teacher.cache=false"  # one epoch: the live target, unless --set teacher.cache=true
     overrides = [
         f"data.dataset={data}",
         f"data.max_samples={rows}",

@@ -79,17 +79,17 @@ echo "== every kind for a few bfloat16 steps on 2 GPUs, DDP and FSDP, live and f
 if (( $("$PYTHON" -c "import torch; print(torch.cuda.device_count())") >= 2 )); then
     for kind in $("$PYTHON" -c "from draftsmith.distill.drafts import KINDS; print(' '.join(KINDS))"); do
         case $kind in
-            parallel) opts=('kind_options={"mask_token_id": 2, "k": 3}') ;;
-            dflash) opts=(draft_layers=1 'kind_options={"mask_token_id": 2, "block_size": 4}') ;;
+            parallel) opts=('draft.options={"mask_token_id": 2, "k": 3}') ;;
+            dflash) opts=(draft.layers=1 'draft.options={"mask_token_id": 2, "block_size": 4}') ;;
             *) opts=() ;;
         esac
         for launch in ddp fsdp; do
             for cache in false true; do
                 run="$WORK/runs/$kind-$launch-cache-$cache"
                 timeout -s INT 600 "$PYTHON" -m accelerate.commands.launch --config_file "configs/accelerate/$launch.yaml" \
-                    --num_processes 2 -m draftsmith.cli distill --config tiny "output_dir=$run" "draft_kind=$kind" \
-                    "${opts[@]}" teacher_dtype=bfloat16 mixed_precision=bf16 max_steps=4 save_steps=4 log_steps=2 \
-                    "teacher_cache=$cache" 2>&1 | tee "$WORK/logs/kind-$kind-$launch-$cache.log"
+                    --num_processes 2 -m draftsmith.cli distill --config tiny "output_dir=$run" "draft.kind=$kind" \
+                    "${opts[@]}" teacher.dtype=bfloat16 optim.mixed_precision=bf16 optim.max_steps=4 save.steps=4 \
+                    log.steps=2 "teacher.cache=$cache" 2>&1 | tee "$WORK/logs/kind-$kind-$launch-$cache.log"
                 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
                 cat "$run/train_summary.json" 2>/dev/null | tee -a "$WORK/logs/train_summaries.log"
             done

@@ -13,7 +13,7 @@ Run (the tiny target; a few minutes on 2 cores):
     .venv/bin/python benchmarks/parallel_chain_weights.py --config tiny --steps 60
 The default target with the shipped parallel config at a small budget (training dominates):
     .venv/bin/python benchmarks/parallel_chain_weights.py --config smollm2-135m-parallel --steps 40 \
-        --set batch_size=4 max_length=160 heldout=4
+        --set optim.batch_size=4 data.max_length=160 data.heldout=4
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ def check_run_inputs(cfg: DistillConfig) -> None:
     if cfg.data.allow_incomplete and (folder is None or folder.parent == dataset_builder.SHIPPED):
         raise DraftsmithError(
             "data.allow_incomplete=true applies to a draftsmith data folder still being built; "
-            f"data.dataset={cfg.data.dataset} is not one (a shipped dataset is complete): leave data.allow_incomplete out"
+            f"data.dataset={cfg.data.dataset} is not one (a shipped dataset is complete): "
+            "leave data.allow_incomplete out"
         )
     if folder is not None:
         dataset_builder.check_trusted(folder, cfg.target, cfg.data.allow_incomplete)
