@@ -28,9 +28,11 @@ $(STAMP): pyproject.toml Makefile
 quickstart: setup
 	$(VENV)/bin/draftsmith quickstart --output-dir quickstart
 
-# The suite includes tests against a real vLLM server, hence its environment.
+# The suite includes tests against a real vLLM server, hence its environment. It runs in TEST_WORKERS
+# processes (pytest-xdist), each test file in one of them (its module fixtures are built once).
+TEST_WORKERS ?= 2
 test: setup vllm
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

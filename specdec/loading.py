@@ -325,9 +325,17 @@ def convert_gguf(gguf: Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _COMPLETE).write_text(str(gguf.resolve()) + "\n")
+        # Another process (a rank of the same launch, a second run) may have finished the same
+        # conversion meanwhile: its folder is kept, as others may be reading it.
+        if (out / _COMPLETE).is_file():
+            return out
         if out.exists():  # an incomplete earlier attempt
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / _COMPLETE).is_file():  # not a conversion that finished first
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,9 @@ from draftsmith.specdec.vllm_server import find_engine
 
 # No hub is reachable in CI; fail fast instead of waiting on network timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (`make test` runs two workers) the cores are shared between the workers.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 # Decoder tests run on every device this machine has, or on those DRAFTSMITH_TEST_DEVICES names
 # (comma-separated; the GPU check runs them on CUDA alone).
@@ -41,9 +43,14 @@ def device(request) -> torch.device:
 
 @pytest.fixture(scope="session", autouse=True)
 def _draftsmith_home(tmp_path_factory):
-    """Converted models and caches go to a session folder unless DRAFTSMITH_HOME is set (to reuse one)."""
+    """Converted models and caches go to a session folder unless DRAFTSMITH_HOME is set (to reuse one).
+    Under pytest-xdist the workers share one (the folder above each worker's own): the default target
+    is converted once, and what two workers write at once is written atomically either way."""
     if not os.environ.get("DRAFTSMITH_HOME"):
-        os.environ["DRAFTSMITH_HOME"] = str(tmp_path_factory.mktemp("draftsmith-home"))
+        base = tmp_path_factory.getbasetemp()
+        home = base.parent / "draftsmith-home" if "PYTEST_XDIST_WORKER" in os.environ else base / "draftsmith-home"
+        home.mkdir(exist_ok=True)
+        os.environ["DRAFTSMITH_HOME"] = str(home)
 
 
 @pytest.fixture(params=[False, True], ids=["cpu-without-native-bfloat16", "cpu-with-native-bfloat16"])

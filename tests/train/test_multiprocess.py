@@ -23,9 +23,12 @@ def read_losses(run):
     return [json.loads(line)["loss"] for line in (run / "losses.jsonl").read_text().splitlines()]
 
 
-def two_ranks(tmp_path: Path, two: Path, *items: str) -> None:
-    """Train the tiny config with ``items`` in two gloo processes; each saves its draft's parameters into ``two``."""
-    two.mkdir()
+def launch_two_ranks(logs: Path, runs: list[dict]) -> None:
+    """Train each of ``runs`` (``ddp_worker.main``'s plan) in two gloo processes, one launch for all."""
+    plan = logs.parent / "plan.json"
+    plan.write_text(json.dumps(runs))
+    for run in runs:
+        Path(run["out"]).mkdir(parents=True)
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [
         sys.executable,
@@ -34,13 +37,12 @@ def two_ranks(tmp_path: Path, two: Path, *items: str) -> None:
         "--standalone",  # a free port, chosen by the rendezvous
         "--nproc_per_node=2",
         "--redirects=3",  # each rank's output to its own file under --log-dir
-        f"--log-dir={tmp_path / 'logs'}",
+        f"--log-dir={logs}",
         str(ROOT / "tests" / "train" / "ddp_worker.py"),
-        str(two),
-        *items,
+        str(plan),
     ]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    rank_logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").rglob("*.log")))
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    rank_logs = "\n".join(p.read_text()[-3000:] for p in sorted(logs.rglob("*.log")))
     assert result.returncode == 0, rank_logs or result.stderr[-3000:]
 
 
@@ -55,23 +57,50 @@ KIND_ITEMS = {
 STORE = ["teacher.cache=true", "teacher.top_k=103", "teacher.cache_dtype=float32"]  # the whole tiny vocabulary
 
 
-@pytest.mark.parametrize("teacher", ["live", "store"])
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_every_kind_in_two_processes_matches_one(tmp_path, monkeypatch, kind, teacher):
-    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # the store the two processes build, read by one
+TEACHERS = ("live", "store")
+CUTS = (0, 40)  # the full head; the head cut to 40 of the tiny target's 103 tokens, which must reach DDP's forward
+
+
+def kind_items(kind: str, teacher: str) -> list[str]:
     items = [f"draft.kind={kind}", *KIND_ITEMS.get(kind, []), "optim.batch_size=4", "optim.max_steps=2", "save.steps=2"]
-    items += ["log.steps=2", *(STORE if teacher == "store" else [])]
-    two = tmp_path / "two"
-    two_ranks(tmp_path, two, f"output_dir={two / 'run'}", *items, "optim.grad_accum=1")
+    return items + ["log.steps=2", *(STORE if teacher == "store" else [])]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Path:
+    """Every case below trained in two processes by one launch: its folder holds ``<case>/two``."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    runs = []
+    for kind in sorted(KINDS):
+        for teacher in TEACHERS:
+            case = root / f"{kind}-{teacher}"  # its own DRAFTSMITH_HOME: the store the two processes build
+            items = [f"output_dir={case / 'two' / 'run'}", *kind_items(kind, teacher), "optim.grad_accum=1"]
+            runs.append({"out": str(case / "two"), "home": str(case / "home"), "items": items})
+    for cut in CUTS:
+        case = root / f"batch-{cut}"
+        items = [f"output_dir={case / 'two' / 'run'}", "optim.batch_size=4", f"draft.vocab={cut}", *COMMON]
+        runs.append({"out": str(case / "two"), "home": None, "items": items})
+    launch_two_ranks(root / "logs", runs)
+    return root
+
+
+def same_ranks(two: Path) -> dict:
     rank0, rank1 = load_file(two / "rank-0.safetensors"), load_file(two / "rank-1.safetensors")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
-    one = train(
-        load_config(
-            DistillConfig, config_path("tiny"), [f"output_dir={tmp_path / 'one'}", *items, "optim.grad_accum=2"]
-        )
-    )
+    return rank0
+
+
+@pytest.mark.parametrize("teacher", TEACHERS)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_kind_in_two_processes_matches_one(launched, tmp_path, monkeypatch, kind, teacher):
+    case = launched / f"{kind}-{teacher}"
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(case / "home"))  # the store the two processes built, read by one
+    two = case / "two"
+    rank0 = same_ranks(two)
+    items = [f"output_dir={tmp_path / 'one'}", *kind_items(kind, teacher), "optim.grad_accum=2"]
+    one = train(load_config(DistillConfig, config_path("tiny"), items))
     assert read_losses(two / "run") == pytest.approx(read_losses(one.run_dir), rel=1e-4)
     single = one.draft.state_dict()
     for name in rank0:
@@ -84,26 +113,13 @@ def test_every_kind_in_two_processes_matches_one(tmp_path, monkeypatch, kind, te
         assert summaries[1]["store"] == str(store) and len(json.loads((store / "meta.json").read_text())["files"]) == 2
 
 
-# 0: the full head; 40: the head cut to 40 of the tiny target's 103 tokens in training, which must
-# reach the DDP-wrapped draft's forward.
-@pytest.mark.parametrize("cut", [0, 40])
-def test_two_processes_match_one_with_the_same_global_batch(tmp_path, cut):
-    two = tmp_path / "two"
-    two_ranks(tmp_path, two, f"output_dir={two / 'run'}", "optim.batch_size=4", f"draft.vocab={cut}", *COMMON)
-    rank0, rank1 = load_file(two / "rank-0.safetensors"), load_file(two / "rank-1.safetensors")
-    assert rank0.keys() == rank1.keys()
-    for name in rank0:
-        assert torch.equal(rank0[name], rank1[name]), name
-
+@pytest.mark.parametrize("cut", CUTS)
+def test_two_processes_match_one_with_the_same_global_batch(launched, tmp_path, cut):
+    two = launched / f"batch-{cut}" / "two"
+    rank0 = same_ranks(two)
     # One process, micro-batches of 4 accumulated twice: the same 8 sequences per optimizer step.
-    one = train(
-        load_config(
-            DistillConfig,
-            config_path("tiny"),
-            [f"output_dir={tmp_path / 'one'}", "optim.batch_size=4", f"draft.vocab={cut}", *COMMON[:-1]]
-            + ["optim.grad_accum=2"],
-        )
-    ).run_dir
+    items = [f"output_dir={tmp_path / 'one'}", "optim.batch_size=4", f"draft.vocab={cut}", *COMMON[:-1]]
+    one = train(load_config(DistillConfig, config_path("tiny"), [*items, "optim.grad_accum=2"])).run_dir
     assert read_losses(two / "run") == pytest.approx(read_losses(one), rel=1e-4)
     single = load_file(one / "checkpoint-4" / "model.safetensors")
     for name in rank0:
