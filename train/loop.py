@@ -147,10 +147,14 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
     run.bar.close()
     run.accelerator.wait_for_everyone()
     write_train_summary(run)  # a collective: before end_training ends the process group
+    # The DDP wrapper's reducer holds the process group: it is released while every process is still
+    # in the group (a reducer freed after the group ends can hang in gloo's destructor, its peer gone).
+    run.draft = run.accelerator.unwrap_model(run.draft)
+    run.accelerator.free_memory()
+    run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
     summarize(run)
-    draft = run.accelerator.unwrap_model(run.draft)
-    return Result(run.run_dir, run.step, run.last_metrics, draft, run.target, run.tokenizer)
+    return Result(run.run_dir, run.step, run.last_metrics, run.draft, run.target, run.tokenizer)
 
 
 def setup(cfg: DistillConfig) -> Run:

@@ -40,7 +40,7 @@ def server(engine, tmp_path_factory):
         yield running
 
 
-def builtin_args(output, *extra, prompts=5, temperature=0.0, max_new_tokens=24) -> list[str]:
+def builtin_args(output, *extra, prompts=5, temperature=0.0, max_new_tokens=24, batch_size=8) -> list[str]:
     return [
         "data",
         "--prompts",
@@ -54,7 +54,7 @@ def builtin_args(output, *extra, prompts=5, temperature=0.0, max_new_tokens=24) 
         "--dtype",
         "float32",
         "--batch-size",
-        "8",
+        str(batch_size),
         "--shard-rows",
         "2",
         "--no-progress",
@@ -94,8 +94,8 @@ def test_many_sampled_requests_at_once_keep_the_cpu_engine_alive(server, tmp_pat
     # 112 seeded requests in flight: more prompt tokens than one engine step takes by default, which
     # would split prompts over steps (and kill vLLM's CPU engine) unless the server prefills them whole.
     out = tmp_path / "d"
-    extra = ["--engine", "vllm", "--engine-url", server.url, "--samples-per-prompt", "2", "--batch-size", "112"]
-    assert main(builtin_args(out, *extra, prompts=56, temperature=1.0, max_new_tokens=4)) == 0
+    extra = ["--engine", "vllm", "--engine-url", server.url, "--samples-per-prompt", "2"]
+    assert main(builtin_args(out, *extra, prompts=56, temperature=1.0, max_new_tokens=4, batch_size=112)) == 0
     rows = rows_by_key(out)
     assert len(rows) == 112 and all(1 <= len(row["answer_ids"]) <= 4 for row in rows.values())
 
