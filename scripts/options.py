@@ -7,13 +7,13 @@ import importlib.resources
 import math
 
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.vllm_server import KV_CACHE_VARIABLE, default_kv_cache_gib
 
 # The held-out prompts shipped with draftsmith (never used for training).
 EVAL_PROMPTS = str(importlib.resources.files("draftsmith.distill") / "data" / "eval_prompts.jsonl")
 GAMMA = 4  # draft tokens per round when one gamma is measured
 GAMMAS = "1,2,3,4,6,8"  # the gammas eval-run and quickstart choose the best from
 MAX_NEW_TOKENS = 64
-ENGINE_KV_CACHE_GIB = 2  # a vLLM CPU server's KV cache: ~45 k tokens of the default target
 
 
 def prompt_options(limit: int | None = None) -> argparse.ArgumentParser:
@@ -159,7 +159,7 @@ def engine_options(what: str) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="--engine vllm on a CPU: the KV cache of each server started, in GiB, taken from memory at start "
-        f"(default: {ENGINE_KV_CACHE_GIB})",
+        f"(default: ${KV_CACHE_VARIABLE}, else 2)",
     )
     return p
 
@@ -178,6 +178,6 @@ def check_engine_options(args: argparse.Namespace) -> None:
     elif args.engine_url is not None and (args.engine_threads is not None or args.engine_eager):
         raise DraftsmithError("--engine-threads and --engine-eager start a server; --engine-url names a running one")
     if args.engine_kv_cache_gib is None:
-        args.engine_kv_cache_gib = ENGINE_KV_CACHE_GIB
+        args.engine_kv_cache_gib = default_kv_cache_gib()
     if args.engine_kv_cache_gib < 1:
         raise DraftsmithError(f"--engine-kv-cache-gib must be >= 1, got {args.engine_kv_cache_gib}")

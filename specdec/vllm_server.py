@@ -159,6 +159,18 @@ def connect(url: str, gamma: int | None = None) -> Server:
     return Server(url=url, model_name=models[0]["id"], gamma=gamma, settings={"url": url})
 
 
+KV_CACHE_VARIABLE = "DRAFTSMITH_VLLM_KV_CACHE_GIB"
+
+
+def default_kv_cache_gib() -> int:
+    """The KV cache a CPU server takes at start, in GiB: ``$DRAFTSMITH_VLLM_KV_CACHE_GIB``, else 2 (about
+    45 k tokens of the default target; a machine running several servers at once sets less)."""
+    value = os.environ.get(KV_CACHE_VARIABLE, "2")
+    if not value.isdigit() or int(value) < 1:
+        raise DraftsmithError(f"{KV_CACHE_VARIABLE}={value!r} must be a whole number of GiB >= 1")
+    return int(value)
+
+
 def server_environment(engine: Engine, device: str, threads: int | None, kv_cache_gib: int) -> dict[str, str]:
     """The variables ``serve`` sets for the engine, beyond the caller's environment (see module docstring)."""
     env = {
@@ -209,7 +221,7 @@ class ServeOptions:
     dtype: str | None = "auto"
     device: str | None = "auto"
     threads: int | None = None
-    kv_cache_gib: int = 4
+    kv_cache_gib: int = field(default_factory=lambda: default_kv_cache_gib())
     port: int | None = None
     eager: bool = False
     max_model_len: int | None = None

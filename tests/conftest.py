@@ -9,6 +9,8 @@ from draftsmith.specdec.vllm_server import find_engine
 
 # No hub is reachable in CI; fail fast instead of waiting on network timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every vLLM server of the suite (several may run at once) takes a KV cache of 1 GiB: the tests' prompts are short.
+os.environ.setdefault("DRAFTSMITH_VLLM_KV_CACHE_GIB", "1")
 # Under pytest-xdist (`make test` runs two workers) the cores are shared between the workers.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))

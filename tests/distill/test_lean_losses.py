@@ -25,7 +25,7 @@ from draftsmith.distill.losses import (
 )
 from draftsmith.distill.tiny import tiny_target
 from draftsmith.train import examples as train_examples
-from draftsmith.train.config import DistillConfig
+from draftsmith.train.config import DistillConfig, LossSection, TeacherSection
 from draftsmith.train.loop import LossHead, distill_step_loss, heldout_metrics
 from tests.helpers import first_layers, noisy_copy
 
@@ -53,9 +53,13 @@ def example(prompt: int, answer: int, seed: int) -> dict:
 EXAMPLES = [example(6, 9, 0), example(3, 4, 1), example(9, 12, 2), example(4, 7, 3)]
 
 
-def make_cfg(**overrides) -> DistillConfig:
-    fields = {"target": "tiny", "tiny_target": TINY, "loss_temperature": 1.3, "jsd_beta": 0.3, "loss_gamma": 3}
-    return DistillConfig(**(fields | overrides))
+def make_cfg(loss: str, ce_weight: float, cache: bool) -> DistillConfig:
+    return DistillConfig(
+        target="tiny",
+        tiny_target=TINY,
+        loss=LossSection(name=loss, temperature=1.3, jsd_beta=0.3, gamma=3, ce_weight=ce_weight),
+        teacher=TeacherSection(cache=cache, top_k=8),
+    )
 
 
 def old_step_loss(cfg, draft, target, batch, ids, dense_teacher) -> torch.Tensor:
@@ -101,7 +105,7 @@ CASES = [(loss, 0.0) for loss in LOSSES] + [("forward_kl", 0.3), ("tvd", 0.5)]
 @pytest.mark.parametrize(("loss", "ce_weight"), CASES)
 def test_lean_step_loss_and_gradients_equal_the_old_formula(models, source, cut, loss, ce_weight):
     target, draft = models
-    cfg = make_cfg(loss=loss, ce_weight=ce_weight, teacher_cache=source == "cache", teacher_top_k=8)
+    cfg = make_cfg(loss, ce_weight, cache=source == "cache")
     ids = IDS if cut else None
     train = copy.deepcopy(EXAMPLES)
     teacher = train_examples.teacher(cfg, target, (train, []), PAD, Accelerator(cpu=True), ids)

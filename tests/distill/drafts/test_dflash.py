@@ -144,9 +144,9 @@ def test_block_position_k_computes_what_drafting_after_the_anchor_computes(targe
 
 
 def test_settings_the_kind_cannot_use_are_refused_by_name():
-    with pytest.raises(DraftsmithError, match="need kind_options.mask_token_id"):
+    with pytest.raises(DraftsmithError, match="need draft.options.mask_token_id"):
         KIND.check(DraftSettings(kind="dflash"))
-    with pytest.raises(DraftsmithError, match="leave out lora_r"):
+    with pytest.raises(DraftsmithError, match="leave out draft.lora_r"):
         KIND.check(DraftSettings(kind="dflash", lora_r=8, options={"mask_token_id": 16}))
     with pytest.raises(DraftsmithError, match="leave out draft.vocab"):
         KIND.check(DraftSettings(kind="dflash", train_draft_vocab=100, options={"mask_token_id": 16}))

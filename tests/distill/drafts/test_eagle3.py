@@ -375,7 +375,7 @@ def test_weights_decay_by_step_and_rows_whose_target_argmax_is_outside_the_vocab
 def test_settings_the_kind_cannot_use_are_refused_by_name():
     with pytest.raises(DraftsmithError, match="accepted_length's windows assume one prediction per position"):
         KIND.check(DraftSettings(kind="eagle3", loss="accepted_length"))
-    with pytest.raises(DraftsmithError, match="leave out lora_r"):
+    with pytest.raises(DraftsmithError, match="leave out draft.lora_r"):
         KIND.check(DraftSettings(kind="eagle3", lora_r=8))
     with pytest.raises(DraftsmithError, match="'ttt_step' is not an option of eagle3 drafts.*'ttt_steps'"):
         KIND.check(DraftSettings(kind="eagle3", options={"ttt_step": 3}))

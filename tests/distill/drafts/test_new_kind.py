@@ -180,7 +180,7 @@ def test_a_registered_kind_trains_checkpoints_ranks_and_publishes(registered, tm
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    assert load_run_config(run).draft_kind == "last_state"
+    assert load_run_config(run).draft.kind == "last_state"
     assert main(["eval-run", str(run), "--gammas", "1", "--max-new-tokens", "12", "--limit", "2"]) == 0
     report = json.loads((run / "speedup_report.json").read_text())
     assert all(r["0.0"]["greedy_match"] for r in report["results"].values())

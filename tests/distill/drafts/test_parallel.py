@@ -577,13 +577,13 @@ def test_a_folder_with_a_head_cut_decodes_with_it_exactly(target, draft, tmp_pat
 
 
 def test_settings_are_checked_by_name():
-    with pytest.raises(DraftsmithError, match="need kind_options.mask_token_id"):
+    with pytest.raises(DraftsmithError, match="need draft.options.mask_token_id"):
         KIND.check(DraftSettings(kind="parallel"))
     with pytest.raises(DraftsmithError, match="'mask_id' is not an option of parallel drafts.*mask_token_id"):
         KIND.check(DraftSettings(kind="parallel", options={"mask_id": 3}))
     with pytest.raises(DraftsmithError, match="k must be >= 2"):
         KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3, "k": 1}))
-    with pytest.raises(DraftsmithError, match="leave out lora_r"):
+    with pytest.raises(DraftsmithError, match="leave out draft.lora_r"):
         KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3}, lora_r=8))
     with pytest.raises(DraftsmithError, match="weight their chain steps for accepted length themselves"):
         KIND.check(DraftSettings(kind="parallel", options={"mask_token_id": 3}, loss="accepted_length"))
