@@ -29,6 +29,7 @@ from draftsmith.specdec.vllm_client import (
 from draftsmith.specdec.vllm_server import (
     ENGINE_VARIABLE,
     HOST,
+    KV_CACHE_VARIABLE,
     Engine,
     ServeOptions,
     check_port_free,
@@ -108,6 +109,16 @@ def test_cpu_servers_prefill_every_prompt_in_one_step(tmp_path):
     assert args[args.index("--max-num-batched-tokens") + 1] == "2048"
     args = server_arguments("/m/t", 1, "float32", eager)
     assert "--no-enable-chunked-prefill" not in args and "--max-num-batched-tokens" not in args
+
+
+def test_the_kv_cache_default_is_2_gib_or_the_variables(monkeypatch):
+    monkeypatch.delenv(KV_CACHE_VARIABLE, raising=False)
+    assert ServeOptions().kv_cache_gib == 2
+    monkeypatch.setenv(KV_CACHE_VARIABLE, "1")
+    assert ServeOptions().kv_cache_gib == 1 and ServeOptions(kv_cache_gib=3).kv_cache_gib == 3
+    monkeypatch.setenv(KV_CACHE_VARIABLE, "half")
+    with pytest.raises(DraftsmithError, match=f"{KV_CACHE_VARIABLE}='half' must be a whole number of GiB >= 1"):
+        ServeOptions()
 
 
 def test_cpu_environment_sets_threads_kv_cache_and_openmp(tmp_path):
