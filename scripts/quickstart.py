@@ -21,7 +21,7 @@ from draftsmith.options import draft_vocab_option, gammas_option, pace_option, p
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
 from draftsmith.train import budget, checkpoint
-from draftsmith.train.config import DistillConfig, config_path, load_config
+from draftsmith.train.config import DistillConfig, config_path, dotted_name, load_config
 from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 from draftsmith.train.loop import train
 from draftsmith.train.models import RunModels
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     check_writable(out, f"--output-dir {out}", folder=True)
     if not (args.minutes > 0 and math.isfinite(args.minutes)):
         raise DraftsmithError(f"--minutes must be a number of minutes > 0, got {args.minutes}")
-    given = any(item.startswith(("optim.max_minutes=", "max_minutes=")) for item in args.overrides)
+    given = any(dotted_name(item.split("=", 1)[0]) == "optim.max_minutes" for item in args.overrides)
     budget_minutes = [] if given else [f"optim.max_minutes={args.minutes}"]
     cfg = load_config(
         DistillConfig, config_path(args.config), [*budget_minutes, *args.overrides, f"output_dir={run_dir}"]

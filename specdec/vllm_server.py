@@ -221,7 +221,7 @@ class ServeOptions:
     dtype: str | None = "auto"
     device: str | None = "auto"
     threads: int | None = None
-    kv_cache_gib: int = field(default_factory=lambda: default_kv_cache_gib())
+    kv_cache_gib: int = field(default_factory=default_kv_cache_gib)
     port: int | None = None
     eager: bool = False
     max_model_len: int | None = None

@@ -289,6 +289,25 @@ class DistillConfig:
             raise DraftsmithError(f"config: {err}") from err
 
 
+SECTION_TYPES = {
+    name: kind for name, kind in typing.get_type_hints(DistillConfig).items() if dataclasses.is_dataclass(kind)
+}
+SECTIONS = tuple(SECTION_TYPES)
+
+
+def by_section(values: dict[str, object]) -> tuple[dict[str, object], dict[str, dict[str, object]]]:
+    """Settings by dotted name, split into the run-wide ones and {section: {key: value}}."""
+    top: dict[str, object] = {}
+    sections: dict[str, dict[str, object]] = {}
+    for name, value in values.items():
+        section, _, key = name.partition(".")
+        if key:
+            sections.setdefault(section, {})[key] = value
+        else:
+            top[name] = value
+    return top, sections
+
+
 def draft_settings(cfg: DistillConfig) -> DraftSettings:
     """The config's draft section (and what the kinds read beside it), as the drafter kinds take them."""
     d = cfg.draft
@@ -379,15 +398,20 @@ LEGACY_KEYS = {
 }
 
 
-def setting_types(cls=DistillConfig) -> dict[str, object]:
+def setting_types() -> dict[str, object]:
     """{dotted name: type} of every setting: ``output_dir``, ``draft.kind``, ``optim.lr``, ..."""
     types_: dict[str, object] = {}
-    for name, kind in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(kind):
-            types_.update({f"{name}.{sub}": t for sub, t in typing.get_type_hints(kind).items()})
+    for name, kind in typing.get_type_hints(DistillConfig).items():
+        if name in SECTION_TYPES:
+            types_.update({f"{name}.{key}": t for key, t in typing.get_type_hints(kind).items()})
         else:
             types_[name] = kind
     return types_
+
+
+def dotted_name(key: str) -> str:
+    """The dotted name of a setting given by name or by an old flat key (``lr`` -> ``optim.lr``)."""
+    return LEGACY_KEYS.get(key, key)
 
 
 def _coerce(name: str, kind, value):
@@ -440,7 +464,7 @@ class _Settings:
         if key in LEGACY_KEYS:
             self.moved.setdefault(where, {})[key] = LEGACY_KEYS[key]
             return LEGACY_KEYS[key]
-        close = [LEGACY_KEYS.get(name, name) for name in difflib.get_close_matches(key, self.known(), n=1)]
+        close = [dotted_name(name) for name in difflib.get_close_matches(key, self.known(), n=1)]
         hint = (
             f"did you mean {close[0]}?" if close else "see the settings of a shipped config: draftsmith distill --help"
         )
@@ -448,9 +472,8 @@ class _Settings:
 
     def read_file(self, path: str, mapping: dict) -> None:
         where = f"{path}: "
-        sections = {name.split(".")[0] for name in self.types if "." in name}
         for key, value in mapping.items():
-            if key in sections and (isinstance(value, dict) or value is None):
+            if key in SECTIONS and (isinstance(value, dict) or value is None):
                 for sub, item in (value or {}).items():
                     name = f"{key}.{sub}"
                     if name not in self.types:
@@ -460,7 +483,7 @@ class _Settings:
                     if name in self.values:
                         raise DraftsmithError(f"{where}{name} is set twice (flat and in its section); keep one")
                     self.values[name] = item
-            elif key in sections and key not in LEGACY_KEYS:
+            elif key in SECTIONS and key not in LEGACY_KEYS:
                 raise DraftsmithError(f"{where}{key} must be a mapping of its settings ({self._section(key)})")
             else:
                 name = self.name(key, where)
@@ -503,17 +526,8 @@ class _Settings:
         for name, entries in self.entries.items():
             coerced[name] = {**coerced.get(name, {}), **entries}
         check_sections(coerced)
-        top: dict[str, object] = {}
-        sections: dict[str, dict] = {}
-        for name, value in coerced.items():
-            if "." in name:
-                section, sub = name.split(".", 1)
-                sections.setdefault(section, {})[sub] = value
-            else:
-                top[name] = value
-        hints = typing.get_type_hints(DistillConfig)
-        built = {section: hints[section](**values) for section, values in sections.items()}
-        return DistillConfig(**top, **built)
+        top, sections = by_section(coerced)
+        return DistillConfig(**top, **{name: SECTION_TYPES[name](**values) for name, values in sections.items()})
 
 
 def load_config(cls, path: str | None, overrides: list[str], quiet: bool = False) -> DistillConfig:
@@ -532,9 +546,6 @@ def load_config(cls, path: str | None, overrides: list[str], quiet: bool = False
     return settings.build()
 
 
-SECTIONS = tuple(name for name, kind in typing.get_type_hints(DistillConfig).items() if dataclasses.is_dataclass(kind))
-
-
 def flat_settings(config: DistillConfig | dict) -> dict[str, object]:
     """{dotted name: value} of a config, or of a saved config's mapping (grouped, or the old flat keys)."""
     mapping = dataclasses.asdict(config) if isinstance(config, DistillConfig) else config
@@ -543,22 +554,15 @@ def flat_settings(config: DistillConfig | dict) -> dict[str, object]:
         if isinstance(value, dict) and key in SECTIONS:
             flat.update({f"{key}.{sub}": item for sub, item in value.items()})
         else:
-            flat[LEGACY_KEYS.get(key, key)] = value
+            flat[dotted_name(key)] = value
     return flat
 
 
 def with_settings(config: DistillConfig, values: dict[str, object]) -> DistillConfig:
     """A copy of ``config`` with the settings named by dotted name in ``values`` replaced (and checked)."""
-    changes: dict[str, dict] = {}
-    top = {}
-    for name, value in values.items():
-        section, _, sub = name.partition(".")
-        if sub:
-            changes.setdefault(section, {})[sub] = value
-        else:
-            top[name] = value
-    sections = {name: dataclasses.replace(getattr(config, name), **subs) for name, subs in changes.items()}
-    return dataclasses.replace(config, **top, **sections)
+    top, sections = by_section(values)
+    replaced = {name: dataclasses.replace(getattr(config, name), **subs) for name, subs in sections.items()}
+    return dataclasses.replace(config, **top, **replaced)
 
 
 def read_yaml(file: Path) -> dict:
