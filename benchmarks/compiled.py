@@ -105,7 +105,7 @@ def end_to_end(target, draft, tokenizer, eos, prompts, gamma: int, max_new_token
                 repeats=repeats,
                 progress=False,
             ),
-        )
+        ).to_json()
         result[mode] = {key: report[key] for key in keys}
     return result
 

@@ -137,7 +137,7 @@ def measure(target, tokenizer, draft, prompts, args) -> dict:
                 repeats=args.repeats,
                 progress=not args.quiet,
             ),
-        )
+        ).to_json()
         keys = ("acceptance_rate", "mean_accepted_tokens", "cost_ratio_c", "speedup", "speedup_spread", "greedy_match")
         out[str(gamma)] = {k: report[k] for k in keys}
         print(f"  gamma {gamma}: " + ", ".join(f"{k} {report[k]}" for k in keys), flush=True)

@@ -157,7 +157,7 @@ def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dty
     for name, folder in folders.items():
         draft = decoding_draft(folder, target, eos)
         agreement = greedy_agreement(draft, target, batch, args.positions)
-        measured = measure_draft(target, draft, tokenizer, settings, args.gammas, trees=trees)
+        measured = measure_draft(target, draft, tokenizer, settings, args.gammas, trees=trees).to_json()
         result[name] = {"greedy_alpha_per_position": agreement, **figures(measured)}
         print(row(name, result[name]))
     return result

@@ -56,7 +56,7 @@ def main() -> None:
                 repeats=args.repeats,
                 progress=False,
             ),
-        )
+        ).to_json()
         result[name] = {
             k: r[k]
             for k in (

@@ -89,7 +89,7 @@ def bundled_row(target, draft, tokenizer, eos, prompts, gamma: int, batch_size: 
             batch_size=batch_size,
             progress=False,
         ),
-    )
+    ).to_json()
     keys = ("acceptance_rate", "mean_accepted_tokens", "target_tokens_per_s", "spec_tokens_per_s", "speedup")
     keys += ("predicted_speedup", "cost_ratio_c", "verify_ratio_v", "greedy_match", "speedup_per_repeat")
     return {key: report[key] for key in keys}

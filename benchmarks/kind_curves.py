@@ -77,7 +77,7 @@ def measure_snapshot(target, tokenizer, folder: Path, args) -> dict:
         repeats=args.repeats,
         progress=False,
     )
-    measured = measure_draft(target, decoding_draft(folder, target, eos), tokenizer, settings, args.gammas)
+    measured = measure_draft(target, decoding_draft(folder, target, eos), tokenizer, settings, args.gammas).to_json()
     keys = ("cost_ratio_c", "verify_ratio_v", "speedup", "predicted_speedup", "greedy_match", "paused_share")
     return {
         "best_gamma": measured["best_gamma"],

@@ -118,7 +118,7 @@ def measure(draft, target, tokenizer, eos, acceptance: list[float], parallel: bo
             repeats=args.repeats,
             progress=False,
         )
-        r = evaluate_pair(target, draft, tokenizer, settings)
+        r = evaluate_pair(target, draft, tokenizer, settings).to_json()
         c, v = r["cost_ratio_c"], r["verify_ratio_v"]
         rows[gamma] = {
             "acceptance_rate": r["acceptance_rate"],

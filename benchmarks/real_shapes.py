@@ -77,7 +77,8 @@ def measure(target, draft, prompts, *, gamma: int, max_new_tokens: int, repeats:
             out, stats = speculative_generate(target, draft, [prompt], max_new_tokens, options=options)
             spec.add(stats)
             identical.append(out == expected)
-    return {**pair_metrics(base, spec, gamma), "warm_up_s": warm_up, "greedy_match": sum(identical) / len(identical)}
+    figures = pair_metrics(base, spec, gamma).to_json()
+    return {**figures, "warm_up_s": warm_up, "greedy_match": sum(identical) / len(identical)}
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from draftsmith.specdec.loading import (
 )
 from draftsmith.specdec.measure.hf_compare import HFComparison
 from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.report import PairReport
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.tables import format_table
 from draftsmith.specdec.options import DecodeOptions
@@ -271,27 +273,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft_vocab:
         draft = _cut_head(args, draft, kind, settings.eos_ids)
     report = evaluate_pair(target, draft, tokenizer, settings, compare_hf=compare_hf)
-    report.update(kind.decoding_report(target, draft, options))
+    report = dataclasses.replace(report, kind_figures=kind.decoding_report(target, draft, options))
     return finish(args, report, device, dtype, kind)
 
 
-def finish(args: argparse.Namespace, report: dict, device: torch.device, dtype: torch.dtype, kind: DraftKind) -> int:
+def finish(
+    args: argparse.Namespace, report: PairReport, device: torch.device, dtype: torch.dtype, kind: DraftKind
+) -> int:
     """Print the report (and what the kind added), write it as JSON when asked; the exit status."""
-    report.update(
-        target=args.target,
-        draft=args.draft,
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        draft_vocab=args.draft_vocab,
-        gamma_source=args.gamma_source,
-        tree_source=args.tree_source,
-        prompts_file=str(args.prompts),
+    report = dataclasses.replace(
+        report,
+        source={
+            "target": args.target,
+            "draft": args.draft,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "draft_vocab": args.draft_vocab,
+            "gamma_source": args.gamma_source,
+            "tree_source": args.tree_source,
+            "prompts_file": str(args.prompts),
+        },
     )
     print(format_table(report))
     for line in kind.report_lines(report):
         print(line)
     if args.json_out:
         out = Path(args.json_out)
-        write_text(out, json.dumps(report, indent=2))
+        write_text(out, json.dumps(report.to_json(), indent=2))
         print(f"report written to {out}")
     return 0

@@ -114,7 +114,7 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
                 target, draft, tokenizer, at_temperature(measure, temp), settings.gammas, trees=settings.trees
             )
             check_measured(result, name, settings.max_new_tokens)
-            report["results"].setdefault(name, {})[str(temp)] = {"step": step, **result}
+            report["results"].setdefault(name, {})[str(temp)] = {"step": step, **result.to_json()}
             speedup.write_report(run_dir, report)
     report["best"] = speedup.write_report(run_dir, report)
     return report
@@ -157,9 +157,9 @@ def at_temperature(settings: MeasureSettings, temperature: float) -> MeasureSett
     return dataclasses.replace(settings, options=options)
 
 
-def check_measured(result: dict, name: str, max_new_tokens: int) -> None:
+def check_measured(result: speedup.DraftMeasurement, name: str, max_new_tokens: int) -> None:
     """Refuse a measurement without figures (no decoding rounds to time) before anything is written."""
-    figures = (result["speedup"], result["acceptance_rate"], result["cost_ratio_c"])
+    figures = (result.speedup, result.acceptance_rate, result.cost_ratio_c)
     if any(x is None or math.isnan(x) for x in figures):
         raise DraftsmithError(
             f"{name}: nothing was measured at --max-new-tokens {max_new_tokens} (no speculative rounds to time); "

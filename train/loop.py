@@ -592,16 +592,16 @@ def measure_speedup(run: Run) -> None:
             result = speedup.measure_draft(target, model, tokenizer, settings, cfg.eval.gammas)
         record = {
             "step": run.step,
-            "speedup": result["speedup"],
-            "spec_acceptance_rate": result["acceptance_rate"],
-            "best_gamma": result["best_gamma"],
-            "mean_accepted_tokens": result["mean_accepted_tokens"],
-            "greedy_match": result["greedy_match"],
+            "speedup": result.speedup,
+            "spec_acceptance_rate": result.acceptance_rate,
+            "best_gamma": result.best_gamma,
+            "mean_accepted_tokens": result.mean_accepted_tokens,
+            "greedy_match": result.greedy_match,
         }
         log(run.run_dir / "speedup.jsonl", record)
         tqdm.write(
-            f"step {run.step}: measured speedup {result['speedup']:.2f} at gamma {result['best_gamma']} "
-            f"(alpha {result['acceptance_rate']:.3f})"
+            f"step {run.step}: measured speedup {result.speedup:.2f} at gamma {result.best_gamma} "
+            f"(alpha {result.acceptance_rate:.3f})"
         )
     run.accelerator.wait_for_everyone()
 

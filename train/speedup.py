@@ -17,6 +17,7 @@ import json
 import os
 import platform
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,27 +26,85 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from draftsmith.specdec.drafters import round_forwards
 from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.report import PairReport, Spread
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.theory import alpha_from_tau, predicted_speedup
 from draftsmith.specdec.tree import TreeShape
 
 REPORT = "speedup_report.json"
 BEST = "best.json"  # the best draft of a run: {"checkpoint": name, ...}
-# What the report keeps of a measurement at one gamma or tree shape.
-FIGURES = (
-    "acceptance_rate",
-    "mean_accepted_tokens",
-    "cost_ratio_c",
-    "verify_ratio_v",
-    "predicted_speedup",
-    "speedup",
-    "target_tokens_per_s",
-    "spec_tokens_per_s",
-    "greedy_match",
-    "speedup_spread",
-    "paused_share",
-    "acceptance_by_position",
-)
+
+
+@dataclass(frozen=True)
+class GammaFigures:
+    """What the report keeps of a measurement at one gamma or tree shape (``nodes_per_round``: trees only)."""
+
+    acceptance_rate: float | None
+    mean_accepted_tokens: float | None
+    cost_ratio_c: float
+    verify_ratio_v: float
+    predicted_speedup: float | None
+    speedup: float | None
+    target_tokens_per_s: float
+    spec_tokens_per_s: float
+    greedy_match: float | None
+    speedup_spread: Spread | None
+    paused_share: float | None
+    acceptance_by_position: list[float] | None
+
+    @classmethod
+    def of(cls, report: PairReport) -> GammaFigures:
+        return cls(**{f.name: getattr(report, f.name) for f in dataclasses.fields(cls)})
+
+    def to_json(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(GammaFigures)}
+
+
+@dataclass(frozen=True)
+class TreeFigures(GammaFigures):
+    nodes_per_round: float | None = None
+
+    @classmethod
+    def of(cls, report: PairReport) -> TreeFigures:
+        return cls(**{f.name: getattr(report, f.name) for f in dataclasses.fields(cls)})
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "nodes_per_round": self.nodes_per_round}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftMeasurement(GammaFigures):
+    """One draft at one temperature: the figures measured at the best gamma (``predicted_speedup``
+    there from the alpha measured at it), how the best gamma was chosen, and, with token trees, each
+    shape's figures and the shape chosen over the chain (``best_tree``, None keeps the chain).
+
+    measured_cost_ratio: c as the run at the base gamma measured it (``cost_ratio_c``,
+    ``cost_ratio_c_spread``); alpha_per_position: estimated from tau at the base gamma."""
+
+    temperature: float
+    best_gamma: int
+    measured_cost_ratio: dict
+    alpha_per_position: float
+    base_gamma: int
+    at_base_gamma: GammaFigures
+    predicted_by_gamma: dict[str, float]
+    trees: dict[str, TreeFigures] | None = None
+    best_tree: str | None = None
+
+    def to_json(self) -> dict:
+        """The result as ``speedup_report.json`` keeps it (``trees`` and ``best_tree`` only when measured)."""
+        out = {"temperature": self.temperature, "best_gamma": self.best_gamma}
+        out.update(GammaFigures.to_json(self))
+        for name in ("measured_cost_ratio", "alpha_per_position", "base_gamma", "at_base_gamma", "predicted_by_gamma"):
+            out[name] = _plain(getattr(self, name))
+        if self.trees is not None:
+            out["trees"] = {shape: figures.to_json() for shape, figures in self.trees.items()}
+            out["best_tree"] = self.best_tree
+        return out
+
+
+def _plain(value):
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def measure_draft(
@@ -56,7 +115,7 @@ def measure_draft(
     gammas: list[int],
     *,
     trees: tuple[TreeShape, ...] = (),
-) -> dict:
+) -> DraftMeasurement:
     """The best gamma for one draft, and alpha, tau, c, v and the speedup measured there; with ``trees``,
     each shape's figures (``trees``) and the shape chosen over the chain, if any (``best_tree``).
 
@@ -66,78 +125,85 @@ def measure_draft(
     drafts of a run are compared by ratios each measured in its own minutes. The run at the base
     gamma drafts in every round (the figures theory predicts from); the run at the best gamma
     decodes as the options say (with ``pace``, as a user's decoding pauses where drafting does not
-    pay). ``measured_cost_ratio``: c as the run at the base gamma measured it."""
+    pay)."""
     base = 4 if 4 in gammas else sorted(gammas)[len(gammas) // 2]
 
-    def run(**options) -> dict:
+    def run(**options) -> PairReport:
         at = dataclasses.replace(settings, options=dataclasses.replace(settings.options, **options))
         return evaluate_pair(target, draft, tokenizer, at)
 
     first = run(gamma=base, pace=False)
     # The prediction needs the per-position acceptance, which accepted / proposed understates for
     # gamma > 1 (tokens after a rejection count as proposed); tau at the base gamma gives it.
-    alpha = alpha_from_tau(first["mean_accepted_tokens"] or 1.0, base)
+    alpha = alpha_from_tau(first.mean_accepted_tokens or 1.0, base)
     cost = cost_by_gamma(draft, gammas, base, first, run)
-    v = first["verify_ratio_v"]
+    v = first.verify_ratio_v
     predicted = {
         g: predicted_speedup(alpha, g, cost(g), 1 + (v - 1) * g / base, round_forwards(draft, g)) for g in gammas
     }
     best_gamma = max(predicted, key=predicted.get)
     paced = settings.options.pace and settings.options.tree is None
     confirmed = first if best_gamma == base and not paced else run(gamma=best_gamma)
-    measured_alpha = confirmed["acceptance_rate"]
-    result = {
-        "temperature": settings.options.sampling.temperature,
-        "best_gamma": best_gamma,
-        **{k: confirmed[k] for k in FIGURES},  # measured at the best gamma
-        "predicted_speedup": None
+    measured_alpha = confirmed.acceptance_rate
+    at_best = GammaFigures.of(confirmed)
+    result = DraftMeasurement(
+        **{f.name: getattr(at_best, f.name) for f in dataclasses.fields(GammaFigures)},
+        temperature=settings.options.sampling.temperature,
+        best_gamma=best_gamma,
+        measured_cost_ratio={
+            "cost_ratio_c": first.cost_ratio_c,
+            "cost_ratio_c_spread": _plain(first.cost_ratio_c_spread),
+        },
+        alpha_per_position=alpha,
+        base_gamma=base,
+        at_base_gamma=GammaFigures.of(first),
+        predicted_by_gamma={str(g): p for g, p in predicted.items()},
+    )
+    # Every sequence drafting every round, at the alpha measured at the best gamma, with that run's c and
+    # v; a paced run's own v mixes in plain steps, so it takes them as the base gamma's run gives them there.
+    result = dataclasses.replace(
+        result,
+        predicted_speedup=None
         if measured_alpha is None
-        # Every sequence drafting every round, at the alpha measured at the best gamma, with that run's
-        # c and v; a paced run's own v mixes in plain steps, so it takes them as the base gamma's run
-        # gives them there.
         else predicted_speedup(
             measured_alpha,
             best_gamma,
-            cost(best_gamma) if paced else confirmed["cost_ratio_c"],
-            1 + (v - 1) * best_gamma / base if paced else confirmed["verify_ratio_v"],
+            cost(best_gamma) if paced else confirmed.cost_ratio_c,
+            1 + (v - 1) * best_gamma / base if paced else confirmed.verify_ratio_v,
             round_forwards(draft, best_gamma),
         ),
-        "measured_cost_ratio": {k: first[k] for k in ("cost_ratio_c", "cost_ratio_c_spread")},
-        "alpha_per_position": alpha,  # estimated from tau at the base gamma
-        "base_gamma": base,
-        "at_base_gamma": {k: first[k] for k in FIGURES},
-        "predicted_by_gamma": {str(g): p for g, p in predicted.items()},
-    }
+    )
     if trees:
         # A tree is drafted on the draft's own cache (a kind whose draft shares the target's drafts it standalone).
-        measured = {t.text: run(tree=t) for t in trees}
-        result["trees"] = {shape: {k: r[k] for k in (*FIGURES, "nodes_per_round")} for shape, r in measured.items()}
-        result["best_tree"] = choose_tree(result)
+        measured = {t.text: TreeFigures.of(run(tree=t)) for t in trees}
+        best_tree = choose_tree({shape: figures.speedup for shape, figures in measured.items()}, result.speedup)
+        result = dataclasses.replace(result, trees=measured, best_tree=best_tree)
     return result
 
 
-def cost_by_gamma(draft: torch.nn.Module, gammas: list[int], base: int, first: dict, run) -> Callable[[int], float]:
+def cost_by_gamma(
+    draft: torch.nn.Module, gammas: list[int], base: int, first: PairReport, run
+) -> Callable[[int], float]:
     """c as a function of gamma, for predicting each gamma from the run at the base gamma (``first``).
 
     A draft that proposes one token per forward costs the same per forward at every gamma: c is the
     base run's. A draft that proposes a block in one forward (``round_forwards`` below gamma) pays
     for a forward over the whole block, so its c grows with gamma: it is also measured at the
     smallest gamma (``run``) and taken as linear in gamma through the two measurements."""
-    c_base = first["cost_ratio_c"]
+    c_base = first.cost_ratio_c
     low = min(gammas)
     if round_forwards(draft, base) == base or low == base:
         return lambda gamma: c_base
-    c_low = run(gamma=low)["cost_ratio_c"]
+    c_low = run(gamma=low).cost_ratio_c
     slope = (c_base - c_low) / (base - low)
     return lambda gamma: max(c_low + slope * (gamma - low), 1e-6)
 
 
-def choose_tree(result: dict) -> str | None:
-    """The tree shape of ``result["trees"]`` that measured the highest speedup, when it beats the chain at
-    its best gamma (``result["speedup"]``); None keeps the chain."""
-    trees = result["trees"]
-    fastest = max(trees, key=lambda shape: trees[shape]["speedup"])
-    return fastest if trees[fastest]["speedup"] > result["speedup"] else None
+def choose_tree(tree_speedups: dict[str, float], chain_speedup: float) -> str | None:
+    """The tree shape that measured the highest speedup, when it beats the chain at its best gamma
+    (``chain_speedup``); None keeps the chain (a tie too: transformers and vLLM run chains)."""
+    fastest = max(tree_speedups, key=tree_speedups.get)
+    return fastest if tree_speedups[fastest] > chain_speedup else None
 
 
 def chosen_figures(result: dict) -> dict:

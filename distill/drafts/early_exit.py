@@ -36,6 +36,7 @@ from draftsmith.specdec.compiled import resolve_compile
 from draftsmith.specdec.decoder import standalone_pair
 from draftsmith.specdec.drafters import Proposal, Verification, draft_chain
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.measure.report import PairReport
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.self_spec import UpperLayersVerifier, crop_to, run_layers, two_rows
 from draftsmith.specdec.stream import decoding_threads, needs_row_padding, standard_strides_into_head
@@ -423,12 +424,13 @@ class EarlyExitKind(KindBase):
         """The verification pass with and without KV reuse, timed, and whether this run reused."""
         return {**measure_verify_saving(target, draft, options.gamma), KV_REUSE: reuses_kv(options)}
 
-    def report_lines(self, report: dict) -> list[str]:
+    def report_lines(self, report: PairReport) -> list[str]:
+        added = report.kind_figures
         return [
-            f"verification pass over {report['gamma'] + 1} tokens: "
-            f"{report['verify_s_kv_reuse'] * 1e3:.1f} ms with KV reuse, "
-            f"{report['verify_s_full'] * 1e3:.1f} ms with the full target ({report['verify_time_saved']:.1%} saved); "
-            f"this run {'reused' if report[KV_REUSE] else 'did not reuse'} the draft's KV"
+            f"verification pass over {report.gamma + 1} tokens: "
+            f"{added['verify_s_kv_reuse'] * 1e3:.1f} ms with KV reuse, "
+            f"{added['verify_s_full'] * 1e3:.1f} ms with the full target ({added['verify_time_saved']:.1%} saved); "
+            f"this run {'reused' if added[KV_REUSE] else 'did not reuse'} the draft's KV"
         ]
 
 

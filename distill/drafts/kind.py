@@ -31,6 +31,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from draftsmith.distill import vocab_cut
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.measure.hf_compare import configure_assistant
+from draftsmith.specdec.measure.report import PairReport
 from draftsmith.specdec.options import DecodeOptions
 
 GENERATION_CONFIG = "generation_config.json"
@@ -233,8 +234,9 @@ class DraftKind(Protocol):
         """Figures ``draftsmith eval`` adds to its report for this kind ({} for none)."""
         ...
 
-    def report_lines(self, report: dict) -> list[str]:
-        """Lines ``draftsmith eval`` prints after its table about what ``decoding_report`` added."""
+    def report_lines(self, report: PairReport) -> list[str]:
+        """Lines ``draftsmith eval`` prints after its table about what ``decoding_report`` added
+        (``report.kind_figures``)."""
         ...
 
 
@@ -467,5 +469,5 @@ class KindBase:
     def decoding_report(self, target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> dict:
         return {}
 
-    def report_lines(self, report: dict) -> list[str]:
+    def report_lines(self, report: PairReport) -> list[str]:
         return []

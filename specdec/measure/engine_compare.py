@@ -77,7 +77,7 @@ def compare_with_engine(
         if settings.progress:
             print(f"bundled decoder, batch {size}: {len(chosen)} prompts")
         at_size = dataclasses.replace(settings, prompts=chosen, batch_size=size)
-        bundled[size] = evaluate_pair(target, draft, tokenizer, at_size)
+        bundled[size] = evaluate_pair(target, draft, tokenizer, at_size).to_json()
     options = settings.options
     engine_runs = {}
     with serve_pair(target_spec, speculative, options.gamma, serve_options, engine) as (baseline, speculative_server):

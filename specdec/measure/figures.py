@@ -6,16 +6,20 @@ are those of the median repeat (by speedup), and the same figures are given per 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from draftsmith.specdec.measure.costs import step_costs, sum_stats
 from draftsmith.specdec.measure.hf_compare import HFComparison
+from draftsmith.specdec.measure.report import PairFigures, PairReport, TimeSplit
 from draftsmith.specdec.measure.tables import spread
 from draftsmith.specdec.measure.tally import Tally
 from draftsmith.specdec.measure.theory import acceptance_by_position, predicted_speedup, predicted_tree_speedup
 
 
-def pair_metrics(target: Tally, spec: Tally, gamma: int, tree: bool = False, forwards: int | None = None) -> dict:
+def pair_metrics(
+    target: Tally, spec: Tally, gamma: int, tree: bool = False, forwards: int | None = None
+) -> PairFigures:
     """alpha, tau, c, v and both speedups from the stats of one set of runs (``tree``: token-tree rounds;
     ``forwards``: the draft forwards of a chain round, default gamma, ``drafters.round_forwards``)."""
     base, sp = sum_stats(target.stats), sum_stats(spec.stats)
@@ -26,29 +30,23 @@ def pair_metrics(target: Tally, spec: Tally, gamma: int, tree: bool = False, for
     else:
         predicted = predicted_speedup(alpha, gamma, c, v, forwards) if alpha is not None else None
     speedup = spec.tokens_per_s / target.tokens_per_s if target.tokens_per_s else None
-    return {
-        "acceptance_rate": alpha,
-        "mean_accepted_tokens": sp.mean_accepted_tokens,
-        "target_tokens_per_s": target.tokens_per_s,
-        "spec_tokens_per_s": spec.tokens_per_s,
-        "speedup": speedup,
-        "cost_ratio_c": c,
-        "verify_ratio_v": v,
-        "predicted_speedup": predicted,
-        "efficiency": speedup / predicted if speedup and predicted else None,
-        "nodes_per_round": sp.nodes_per_round,  # tree rounds only
-        "proposed": sp.proposed,
-        "accepted": sp.accepted,
-        "acceptance_by_position": None if tree else acceptance_by_position(sp.round_counts, gamma),
-        # sequence rounds without drafting, where the pacer found that drafting did not pay
-        "paused_share": sp.paused / sp.seq_rounds if sp.seq_rounds else None,
-        "time_split_s": {
-            "prefill": sp.prefill_time,
-            "draft": sp.draft_time,
-            "verify": sp.verify_time,
-            "other": sp.other_time,
-        },
-    }
+    return PairFigures(
+        acceptance_rate=alpha,
+        mean_accepted_tokens=sp.mean_accepted_tokens,
+        target_tokens_per_s=target.tokens_per_s,
+        spec_tokens_per_s=spec.tokens_per_s,
+        speedup=speedup,
+        cost_ratio_c=c,
+        verify_ratio_v=v,
+        predicted_speedup=predicted,
+        efficiency=speedup / predicted if speedup and predicted else None,
+        nodes_per_round=sp.nodes_per_round,
+        proposed=sp.proposed,
+        accepted=sp.accepted,
+        acceptance_by_position=None if tree else acceptance_by_position(sp.round_counts, gamma),
+        paused_share=sp.paused / sp.seq_rounds if sp.seq_rounds else None,
+        time_split_s=TimeSplit(sp.prefill_time, sp.draft_time, sp.verify_time, sp.other_time),
+    )
 
 
 def report_from_repeats(
@@ -59,28 +57,29 @@ def report_from_repeats(
     gamma: int,
     tree: bool = False,
     forwards: int | None = None,
-) -> dict:
+) -> PairReport:
     """The overall figures (alpha, c, v, ... of the median repeat; speedup from the median tokens/s
     of each decoder), greedy identity, and the figures per category."""
     per_repeat = [pair_metrics(t["target"], t["spec"], gamma, tree, forwards) for t in repeat_tallies]
-    median_rep = sorted(range(len(per_repeat)), key=lambda i: per_repeat[i]["speedup"])[len(per_repeat) // 2]
-    report = dict(per_repeat[median_rep])
-    target_tps = statistics.median(r["target_tokens_per_s"] for r in per_repeat)
-    spec_tps = statistics.median(r["spec_tokens_per_s"] for r in per_repeat)
-    report.update(
+    median = sorted(per_repeat, key=lambda r: r.speedup)[len(per_repeat) // 2]
+    target_tps = statistics.median(r.target_tokens_per_s for r in per_repeat)
+    spec_tps = statistics.median(r.spec_tokens_per_s for r in per_repeat)
+    speedup = spec_tps / target_tps
+    figures = dataclasses.replace(
+        median,
         target_tokens_per_s=target_tps,
         spec_tokens_per_s=spec_tps,
-        speedup=spec_tps / target_tps,
-        speedup_per_repeat=[r["speedup"] for r in per_repeat],
-        speedup_spread=spread([r["speedup"] for r in per_repeat]),
-        cost_ratio_c_spread=spread([r["cost_ratio_c"] for r in per_repeat]),
+        speedup=speedup,
+        efficiency=speedup / median.predicted_speedup if median.predicted_speedup else median.efficiency,
     )
-    if report["predicted_speedup"]:
-        report["efficiency"] = report["speedup"] / report["predicted_speedup"]
-    report["greedy_match"] = sum(greedy_matches) / len(greedy_matches) if greedy_matches else None
-    report["per_category"] = {
-        cat: pair_metrics(t["target"], t["spec"], gamma, tree, forwards) for cat, t in sorted(per_cat.items())
-    }
-    if hf is not None:
-        report.update(hf.report(gamma))
-    return report
+    return PairReport(
+        **{f.name: getattr(figures, f.name) for f in dataclasses.fields(PairFigures)},
+        speedup_per_repeat=[r.speedup for r in per_repeat],
+        speedup_spread=spread([r.speedup for r in per_repeat]),
+        cost_ratio_c_spread=spread([r.cost_ratio_c for r in per_repeat]),
+        greedy_match=sum(greedy_matches) / len(greedy_matches) if greedy_matches else None,
+        per_category={
+            cat: pair_metrics(t["target"], t["spec"], gamma, tree, forwards) for cat, t in sorted(per_cat.items())
+        },
+        hf=hf.report(gamma) if hf is not None else None,
+    )

@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.measure.report import HFFigures
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.tally import Tally
 from draftsmith.specdec.sampling import SamplingParams
@@ -158,16 +159,16 @@ class HFComparison:
                 rounds.check(settings.options.gamma)
                 self.rounds += rounds.rounds
 
-    def report(self, gamma: int) -> dict:
+    def report(self, gamma: int) -> HFFigures:
         """tokens/s of both, and the assistant's drafted tokens per round that had room for ``gamma``."""
         full = [r.drafted for r in self.rounds if r.room >= gamma and not r.ended_with_eos]
         histogram: dict[str, int] = defaultdict(int)
         for r in self.rounds:
             histogram[str(r.drafted)] += 1
-        return {
-            "hf_generate_tokens_per_s": self.tallies["generate"].tokens_per_s,
-            "hf_assisted_tokens_per_s": self.tallies["assisted"].tokens_per_s,
-            "hf_assisted_rounds": len(self.rounds),
-            "hf_drafted_per_round": sum(full) / len(full) if full else None,
-            "hf_drafted_histogram": dict(sorted(histogram.items())),
-        }
+        return HFFigures(
+            generate_tokens_per_s=self.tallies["generate"].tokens_per_s,
+            assisted_tokens_per_s=self.tallies["assisted"].tokens_per_s,
+            assisted_rounds=len(self.rounds),
+            drafted_per_round=sum(full) / len(full) if full else None,
+            drafted_histogram=dict(sorted(histogram.items())),
+        )

@@ -28,6 +28,7 @@ from draftsmith.specdec.drafters import round_forwards
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.measure.figures import report_from_repeats
 from draftsmith.specdec.measure.hf_compare import HFComparison, configure_assistant
+from draftsmith.specdec.measure.report import Compiled, MeasuredUnder, PairReport
 from draftsmith.specdec.measure.runs import PairRun, run_repeats, warm_up, warm_up_sizes
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.verify import tune_verify_widths
@@ -41,8 +42,8 @@ def evaluate_pair(
     *,
     compare_hf: HFComparison | None = None,
     tune_verify: bool = True,
-) -> dict:
-    """Run the baseline and the speculative decoder side by side; return the report as a dict.
+) -> PairReport:
+    """Run the baseline and the speculative decoder side by side; return the report.
 
     settings: what is measured; ``settings.options`` is how the speculative decoder decodes (its
     sampling is the baseline's too); the target-only baseline is timed here, interleaved with the
@@ -66,11 +67,9 @@ def evaluate_pair(
     pair = PairRun(target, draft, tokenizer, settings)
     warm = pair.encode(settings.prompts[0], settings.prompts[0].turns[0])
     warm_up(pair, warm, warm_up_sizes(settings, compiled))
-    compiled_report = {
-        "compile": compiled,
-        "compile_s": time.perf_counter() - start if compiled else None,
-        "compiled_graphs": compiled_graphs() - graphs if compiled else None,
-    }
+    compiled_report = (
+        Compiled(True, time.perf_counter() - start, compiled_graphs() - graphs) if compiled else Compiled()
+    )
 
     if compare_hf is not None:
         configure_assistant(compare_hf.assistant.generation_config, options.gamma)
@@ -80,22 +79,21 @@ def evaluate_pair(
     tree = options.tree is not None
     forwards = round_forwards(draft, options.gamma)
     report = report_from_repeats(repeat_tallies, per_cat, compare_hf, greedy_matches, options.gamma, tree, forwards)
-    report.update(settings_report(settings), **compiled_report)
-    return report
+    return dataclasses.replace(report, under=measured_under(settings), compiled=compiled_report)
 
 
-def settings_report(settings: MeasureSettings) -> dict:
-    """The settings a report was measured under, as its keys give them."""
+def measured_under(settings: MeasureSettings) -> MeasuredUnder:
+    """The settings a report was measured under."""
     options = settings.options
-    return {
-        "gamma": options.gamma,
-        "tree": options.tree.text if options.tree is not None else None,
-        "batch_size": settings.batch_size,
-        "max_new_tokens": settings.max_new_tokens,
-        "repeats": settings.repeats,
-        "prompts": len(settings.prompts),
-        "temperature": options.sampling.temperature,
-        "top_k": options.sampling.top_k,
-        "top_p": options.sampling.top_p,
-        "verify_widths": {str(q): w for q, w in options.verify_widths.items()},
-    }
+    return MeasuredUnder(
+        gamma=options.gamma,
+        tree=options.tree.text if options.tree is not None else None,
+        batch_size=settings.batch_size,
+        max_new_tokens=settings.max_new_tokens,
+        repeats=settings.repeats,
+        prompts=len(settings.prompts),
+        temperature=options.sampling.temperature,
+        top_k=options.sampling.top_k,
+        top_p=options.sampling.top_p,
+        verify_widths={str(q): w for q, w in options.verify_widths.items()},
+    )

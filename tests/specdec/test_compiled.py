@@ -144,7 +144,7 @@ def test_evaluation_reports_compile_time_apart_and_compiles_nothing_for_a_second
     first = evaluate_pair(target, noisy_copy(target, noise=0.3), tokenizer, settings)
     second = evaluate_pair(target, noisy_copy(target, noise=0.3, seed=2), tokenizer, settings)
     for report in (first, second):
-        assert report["compile"] is True
-        assert report["greedy_match"] == 1.0
-        assert report["compile_s"] > 0
-    assert second["compiled_graphs"] == 0  # the first checkpoint's graphs serve the second
+        assert report.compiled.compile is True
+        assert report.greedy_match == 1.0
+        assert report.compiled.compile_s > 0
+    assert second.compiled.compiled_graphs == 0  # the first checkpoint's graphs serve the second

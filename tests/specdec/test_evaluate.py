@@ -2,6 +2,7 @@
 ratios from the decoders' timings, medians over repeats, the target timed beside every draft."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -57,17 +58,17 @@ def test_report_takes_the_speedup_from_median_rates_and_the_rest_from_the_median
         {"target": _tally(120, 2.0, **base), "spec": _tally(150, 1.0, proposed=40, accepted=20)},  # 60, 150 t/s
     ]
     report = report_from_repeats(repeats, per_cat={}, hf=None, greedy_matches=[True, False, True, True], gamma=4)
-    assert report["target_tokens_per_s"] == pytest.approx(50.0)
-    assert report["spec_tokens_per_s"] == pytest.approx(100.0)
-    assert report["speedup"] == pytest.approx(2.0)  # median 100 / median 50, not the median ratio 2.5
-    assert report["speedup_per_repeat"] == pytest.approx([2.0, 2.5, 2.5])
-    assert report["acceptance_rate"] == pytest.approx(0.75)  # repeat 2 of 3 by speedup
-    assert report["cost_ratio_c"] == pytest.approx(0.25)
-    assert report["verify_ratio_v"] == pytest.approx(1.5)
-    assert report["predicted_speedup"] == pytest.approx(0.7626953125 / 0.625)  # (1 - .75^5) / (.25 (4 .25 + 1.5))
-    assert report["efficiency"] == pytest.approx(2.0 * 0.625 / 0.7626953125)
-    assert report["greedy_match"] == 0.75
-    assert report["per_category"] == {}
+    assert report.target_tokens_per_s == pytest.approx(50.0)
+    assert report.spec_tokens_per_s == pytest.approx(100.0)
+    assert report.speedup == pytest.approx(2.0)  # median 100 / median 50, not the median ratio 2.5
+    assert report.speedup_per_repeat == pytest.approx([2.0, 2.5, 2.5])
+    assert report.acceptance_rate == pytest.approx(0.75)  # repeat 2 of 3 by speedup
+    assert report.cost_ratio_c == pytest.approx(0.25)
+    assert report.verify_ratio_v == pytest.approx(1.5)
+    assert report.predicted_speedup == pytest.approx(0.7626953125 / 0.625)  # (1 - .75^5) / (.25 (4 .25 + 1.5))
+    assert report.efficiency == pytest.approx(2.0 * 0.625 / 0.7626953125)
+    assert report.greedy_match == 0.75
+    assert report.per_category == {}
 
 
 def test_step_costs_leave_out_each_calls_draft_prefill():
@@ -96,10 +97,22 @@ def test_every_pair_times_its_own_target_runs_interleaved_with_the_drafts(monkey
         report = evaluate_pair(target, noisy_copy(target, noise), tokenizer, at_gamma_2)
         # The warm-up, then per repeat each of the three prompts (batch size 1): a target run beside a draft run.
         assert calls == ["T", "S"] * (1 + 2 * 3)
-        assert report["greedy_match"] == 1.0
-        assert "baseline_shared" not in report
-        rates.append(report["target_tokens_per_s"])
+        assert report.greedy_match == 1.0
+        assert "baseline_shared" not in report.to_json()
+        rates.append(report.target_tokens_per_s)
     assert rates[0] != rates[1]  # the second draft's target runs were timed again, not reused
+
+
+FIGURE_KEYS = {
+    "acceptance_rate", "mean_accepted_tokens", "target_tokens_per_s", "spec_tokens_per_s", "speedup", "cost_ratio_c",
+    "verify_ratio_v", "predicted_speedup", "efficiency", "nodes_per_round", "proposed", "accepted",
+    "acceptance_by_position", "paused_share", "time_split_s",
+}  # fmt: skip
+REPORT_KEYS = {
+    "speedup_per_repeat", "speedup_spread", "cost_ratio_c_spread", "greedy_match", "per_category", "gamma", "tree",
+    "batch_size", "max_new_tokens", "repeats", "prompts", "temperature", "top_k", "top_p", "verify_widths", "compile",
+    "compile_s", "compiled_graphs",
+}  # fmt: skip
 
 
 def test_acceptance_by_position_counts_the_rounds_that_reached_each_position():
@@ -116,11 +129,22 @@ def test_a_measurement_reports_the_decoders_acceptance_at_each_position():
     prompts = [Prompt(str(i), "writing", [[{"role": "user", "content": f"w{3 + i} w{10 + i}"}]]) for i in range(2)]
     settings = MeasureSettings(prompts, options=DecodeOptions(gamma=3), max_new_tokens=16, progress=False)
     perfect = evaluate_pair(target, target, tokenizer, settings)
-    assert perfect["acceptance_by_position"] == [1.0, 1.0, 1.0]
+    assert perfect.acceptance_by_position == [1.0, 1.0, 1.0]
+    written = json.loads(json.dumps(perfect.to_json()))  # the keys `draftsmith eval --json` has always written
+    assert set(written) == FIGURE_KEYS | REPORT_KEYS
+    assert set(written["per_category"]["writing"]) == FIGURE_KEYS
+    assert written["time_split_s"].keys() == {"prefill", "draft", "verify", "other"}
+    spread = written["speedup_spread"]
+    assert spread == {
+        "median": spread["median"],
+        "min": min(perfect.speedup_per_repeat),
+        "max": max(perfect.speedup_per_repeat),
+    }
+    assert written["gamma"] == 3 and written["compile"] is False and written["compiled_graphs"] is None
     draft = noisy_copy(target, 0.3)
     noisy = evaluate_pair(target, draft, tokenizer, settings)
-    first, second, _ = noisy["acceptance_by_position"]
+    first, second, _ = noisy.acceptance_by_position
     assert 0.5 < first < 1.0 and second < first  # measured 0.73 and 0.18 on these two prompts
     # At gamma 1 every round proposes one token: position 1's share is accepted / proposed.
     one = evaluate_pair(target, draft, tokenizer, dataclasses.replace(settings, options=DecodeOptions(gamma=1)))
-    assert one["acceptance_by_position"] == [pytest.approx(one["acceptance_rate"])]
+    assert one.acceptance_by_position == [pytest.approx(one.acceptance_rate)]

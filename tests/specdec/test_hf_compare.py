@@ -65,6 +65,6 @@ def test_compare_hf_times_stock_models_at_gamma():
     assert stock.assistant.generation_config.num_assistant_tokens == 3
     assert stock.assistant.generation_config.num_assistant_tokens_schedule == "constant"
     assert stock.assistant.generation_config.assistant_confidence_threshold == 0
-    assert report["hf_drafted_per_round"] == 3.0
-    assert report["hf_assisted_rounds"] == len(stock.rounds) > 3 * 3
-    assert report["hf_generate_tokens_per_s"] > 0 and report["hf_assisted_tokens_per_s"] > 0
+    assert report.hf.drafted_per_round == 3.0
+    assert report.hf.assisted_rounds == len(stock.rounds) > 3 * 3
+    assert report.hf.generate_tokens_per_s > 0 and report.hf.assisted_tokens_per_s > 0

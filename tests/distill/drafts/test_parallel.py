@@ -737,12 +737,23 @@ def test_eval_run_charges_a_parallel_round_one_draft_forward(target, draft):
     prompts = [Prompt(str(i), "writing", [[{"role": "user", "content": f"w{3 + i} w{9 + i}"}]]) for i in range(2)]
     settings = MeasureSettings(prompts, max_new_tokens=16, repeats=1, progress=False)
     report = measure_draft(target, draft, tiny_tokenizer(V), settings, [1, 3])
-    gamma, c, v = report["best_gamma"], report["cost_ratio_c"], report["verify_ratio_v"]
-    one = predicted_speedup(report["acceptance_rate"], gamma, c, v, forwards=1)
-    assert report["predicted_speedup"] == pytest.approx(one)
+    gamma, c, v = report.best_gamma, report.cost_ratio_c, report.verify_ratio_v
+    one = predicted_speedup(report.acceptance_rate, gamma, c, v, forwards=1)
+    assert report.predicted_speedup == pytest.approx(one)
     if gamma > 1:
-        assert one > predicted_speedup(report["acceptance_rate"], gamma, c, v)
-    at_base = report["at_base_gamma"]  # gamma 3: one draft forward per round of 3 proposals
-    assert at_base["predicted_speedup"] == pytest.approx(
-        predicted_speedup(at_base["acceptance_rate"], 3, at_base["cost_ratio_c"], at_base["verify_ratio_v"], 1)
+        assert one > predicted_speedup(report.acceptance_rate, gamma, c, v)
+    at_base = report.at_base_gamma  # gamma 3: one draft forward per round of 3 proposals
+    assert at_base.predicted_speedup == pytest.approx(
+        predicted_speedup(at_base.acceptance_rate, 3, at_base.cost_ratio_c, at_base.verify_ratio_v, 1)
     )
+    # The result as speedup_report.json has always kept it.
+    figures = {"acceptance_rate", "mean_accepted_tokens", "cost_ratio_c", "verify_ratio_v", "predicted_speedup"}
+    figures |= {"speedup", "target_tokens_per_s", "spec_tokens_per_s", "greedy_match", "speedup_spread"}
+    figures |= {"paused_share", "acceptance_by_position"}
+    written = json.loads(json.dumps(report.to_json()))
+    assert set(written) == figures | {"temperature", "best_gamma", "measured_cost_ratio", "alpha_per_position"} | {
+        "base_gamma",
+        "at_base_gamma",
+        "predicted_by_gamma",
+    }
+    assert set(written["at_base_gamma"]) == figures and set(written["predicted_by_gamma"]) == {"1", "3"}

@@ -1,0 +1,145 @@
+"""A measurement's results as types: the figures of one set of runs, a pair's report, and what
+``transformers`` measured beside it.
+
+Each type writes itself as JSON (``to_json``) with the keys ``draftsmith eval --json`` has always
+written, so the files the commands write stay readable by what read them before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median, min and max of a figure over repeats."""
+
+    median: float
+    min: float
+    max: float
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """Seconds of a speculative run by phase."""
+
+    prefill: float
+    draft: float
+    verify: float
+    other: float
+
+
+@dataclass(frozen=True)
+class PairFigures:
+    """alpha, tau, c, v, tokens/s and both speedups of one set of runs (a repeat, a category, or overall).
+
+    acceptance_by_position: of chain rounds only; nodes_per_round: of token-tree rounds only;
+    paused_share: the sequence rounds that did not draft because the pacer found drafting did not pay.
+    """
+
+    acceptance_rate: float | None
+    mean_accepted_tokens: float | None
+    target_tokens_per_s: float
+    spec_tokens_per_s: float
+    speedup: float | None
+    cost_ratio_c: float
+    verify_ratio_v: float
+    predicted_speedup: float | None
+    efficiency: float | None
+    nodes_per_round: float | None
+    proposed: int
+    accepted: int
+    acceptance_by_position: list[float] | None
+    paused_share: float | None
+    time_split_s: TimeSplit
+
+    def to_json(self) -> dict:
+        return {f.name: _json(getattr(self, f.name)) for f in dataclasses.fields(PairFigures)}
+
+
+@dataclass(frozen=True)
+class HFFigures:
+    """``transformers`` beside the bundled decoder: plain and assisted generation's tokens/s, and the
+    assistant's drafted tokens per round that had room for gamma."""
+
+    generate_tokens_per_s: float
+    assisted_tokens_per_s: float
+    assisted_rounds: int
+    drafted_per_round: float | None
+    drafted_histogram: dict[str, int]
+
+    def to_json(self) -> dict:
+        return {f"hf_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class MeasuredUnder:
+    """The settings a pair was measured under."""
+
+    gamma: int
+    tree: str | None
+    batch_size: int
+    max_new_tokens: int
+    repeats: int
+    prompts: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    verify_widths: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """Whether the decoders ran compiled; then the warm-up's seconds and the graphs it compiled."""
+
+    compile: bool = False
+    compile_s: float | None = None
+    compiled_graphs: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairReport(PairFigures):
+    """A pair measured side by side: the overall figures (of the median repeat; the speedup from the
+    median tokens/s of each decoder), their spread over repeats, greedy identity, the figures per
+    category, what ``transformers`` measured when asked, the settings, and whether it ran compiled.
+
+    kind_figures: what the draft's kind adds (``DraftKind.decoding_report``); source: what
+    ``draftsmith eval`` measured (target, draft, device, dtype, ...), both written as top-level keys.
+    """
+
+    speedup_per_repeat: list[float]
+    speedup_spread: Spread | None
+    cost_ratio_c_spread: Spread | None
+    greedy_match: float | None
+    per_category: dict[str, PairFigures]
+    hf: HFFigures | None = None
+    under: MeasuredUnder | None = None
+    compiled: Compiled = Compiled()
+    kind_figures: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict)
+
+    @property
+    def gamma(self) -> int:
+        return self.under.gamma
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        out.update(
+            speedup_per_repeat=self.speedup_per_repeat,
+            speedup_spread=_json(self.speedup_spread),
+            cost_ratio_c_spread=_json(self.cost_ratio_c_spread),
+            greedy_match=self.greedy_match,
+            per_category={name: figures.to_json() for name, figures in self.per_category.items()},
+        )
+        if self.hf is not None:
+            out.update(self.hf.to_json())
+        if self.under is not None:
+            out.update(_json(self.under))
+            out.update(_json(self.compiled))
+        return {**out, **self.kind_figures, **self.source}
+
+
+def _json(value):
+    """A dataclass as a dict of its fields (recursively); anything else as it is."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
