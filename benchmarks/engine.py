@@ -98,7 +98,7 @@ def bundled_row(target, draft, tokenizer, eos, prompts, gamma: int, batch_size: 
 def engine_row(baseline, speculative, prompt_ids: list[list[int]], batch_size: int, args) -> dict:
     report = measure_engine_pair(
         baseline, speculative, prompt_ids, max_tokens=args.max_new_tokens, batch_size=batch_size, repeats=args.repeats
-    )
+    ).to_json()
     keys = ("acceptance_rate", "acceptance_per_position", "mean_accepted_tokens", "target_tokens_per_s")
     keys += ("spec_tokens_per_s", "speedup", "speedup_spread", "greedy_match", "drafts", "proposed", "accepted")
     return {key: report[key] for key in keys}

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.measure.pair import evaluate_pair
+from draftsmith.specdec.measure.report import EngineReport, PairReport
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.tables import fmt
 from draftsmith.specdec.measure.vllm_pair import measure_engine_pair, serve_pair
@@ -77,7 +78,7 @@ def compare_with_engine(
         if settings.progress:
             print(f"bundled decoder, batch {size}: {len(chosen)} prompts")
         at_size = dataclasses.replace(settings, prompts=chosen, batch_size=size)
-        bundled[size] = evaluate_pair(target, draft, tokenizer, at_size).to_json()
+        bundled[size] = evaluate_pair(target, draft, tokenizer, at_size)
     options = settings.options
     engine_runs = {}
     with serve_pair(target_spec, speculative, options.gamma, serve_options, engine) as (baseline, speculative_server):
@@ -110,10 +111,10 @@ def compare_with_engine(
     }
 
 
-def comparison_row(batch_size: int, bundled: dict, engine: dict, prompts: int) -> dict:
+def comparison_row(batch_size: int, bundled: PairReport, engine: EngineReport, prompts: int) -> dict:
     """One batch size: the engine's figures, ours, and the two ratios of speedups."""
-    ours = {key: bundled[key] for key in BUNDLED_KEYS}
-    theirs = {key: engine[key] for key in ENGINE_KEYS}
+    ours, theirs = bundled.to_json(), engine.to_json()
+    ours, theirs = {key: ours[key] for key in BUNDLED_KEYS}, {key: theirs[key] for key in ENGINE_KEYS}
 
     def over_engine(figure):
         return figure / theirs["speedup"] if figure is not None and theirs["speedup"] else None

@@ -143,3 +143,45 @@ class PairReport(PairFigures):
 def _json(value):
     """A dataclass as a dict of its fields (recursively); anything else as it is."""
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineReport:
+    """The target alone against the target with a draft in a serving engine (vLLM), on the same prompts.
+
+    Tokens/s are medians over the repeats (``speedup_spread``: [min, max] of the repeats' speedups);
+    alpha, tau and the per-position acceptance come from the engine's own counters over every
+    round of every repeat; ``drafts`` are the engine's drafting rounds. The servers' settings are
+    kept as they started them.
+    """
+
+    acceptance_rate: float | None
+    acceptance_per_position: list[float]
+    mean_accepted_tokens: float | None
+    target_tokens_per_s: float
+    spec_tokens_per_s: float
+    speedup: float
+    speedup_per_repeat: list[float]
+    speedup_spread: list[float]
+    target_tokens_per_s_per_repeat: list[float]
+    spec_tokens_per_s_per_repeat: list[float]
+    drafts: int
+    proposed: int
+    accepted: int
+    greedy_match: float | None
+    gamma: int
+    batch_size: int
+    max_new_tokens: int
+    repeats: int
+    prompts: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    baseline_server: dict
+    speculative_server: dict
+    engine: str = "vllm"
+
+    def to_json(self) -> dict:
+        out = {"engine": self.engine}
+        out.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "engine")
+        return out

@@ -18,6 +18,7 @@ from contextlib import ExitStack, contextmanager
 
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import resolve_device
+from draftsmith.specdec.measure.report import EngineReport
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.vllm_client import Completion, SpecCounters, complete_batch, read_spec_counters
 from draftsmith.specdec.vllm_server import Engine, ServeOptions, Server, serve
@@ -65,8 +66,8 @@ def measure_engine_pair(
     batch_size: int = 1,
     repeats: int = 3,
     seed: int = 0,
-) -> dict:
-    """Target alone vs target + draft in vLLM on the same prompts; the report as a dict.
+) -> EngineReport:
+    """Target alone vs target + draft in vLLM on the same prompts; the report.
 
     baseline, speculative: servers of the same target, without and with a draft (``serve_pair``).
     Tokens/s are medians over ``repeats``; alpha, tau and the per-position acceptance count every
@@ -92,25 +93,24 @@ def measure_engine_pair(
         counters = counters + grown
         if repeat == 0:
             matches = [b.token_ids == s.token_ids for b, s in zip(base_answers, spec_answers, strict=True)]
-    return {
-        "engine": "vllm",
+    return EngineReport(
         **engine_figures(target_rates, spec_rates, counters),
-        "greedy_match": sum(matches) / len(matches) if sampling.greedy else None,
-        "gamma": speculative.gamma,
-        "batch_size": batch_size,
-        "max_new_tokens": max_tokens,
-        "repeats": len(target_rates),
-        "prompts": len(prompts),
-        "temperature": sampling.temperature,
-        "top_k": sampling.top_k,
-        "top_p": sampling.top_p,
-        "baseline_server": baseline.settings,
-        "speculative_server": speculative.settings,
-    }
+        greedy_match=sum(matches) / len(matches) if sampling.greedy else None,
+        gamma=speculative.gamma,
+        batch_size=batch_size,
+        max_new_tokens=max_tokens,
+        repeats=len(target_rates),
+        prompts=len(prompts),
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        baseline_server=baseline.settings,
+        speculative_server=speculative.settings,
+    )
 
 
 def engine_figures(target_rates: list[float], spec_rates: list[float], counters: SpecCounters) -> dict:
-    """The engine's figures over the repeats: medians and spread of tokens/s and speedup, and the
+    """``EngineReport``'s figures over the repeats: medians and spread of tokens/s and speedup, and the
     acceptance from the counters' totals."""
     per_repeat = [s / t for s, t in zip(spec_rates, target_rates, strict=True)]
     target_tps, spec_tps = statistics.median(target_rates), statistics.median(spec_rates)

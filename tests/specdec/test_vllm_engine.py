@@ -275,15 +275,20 @@ def test_acceptance_counters_match_the_tokens_drafted_and_emitted(draft_run, def
 def test_engine_pair_report_agrees_with_its_counters(target_server, draft_server, default):
     *_, prompts, _, _ = default
     report = measure_engine_pair(target_server, draft_server, prompts[:2], max_tokens=16, batch_size=2, repeats=2)
-    assert report["greedy_match"] == 1.0
-    assert report["gamma"] == GAMMA and report["batch_size"] == 2 and report["repeats"] == 2
-    assert report["proposed"] == GAMMA * report["drafts"]
-    assert report["acceptance_rate"] == pytest.approx(report["accepted"] / report["proposed"])
-    assert report["mean_accepted_tokens"] == pytest.approx(1 + report["accepted"] / report["drafts"])
-    assert report["speedup"] == pytest.approx(report["spec_tokens_per_s"] / report["target_tokens_per_s"])
-    low, high = report["speedup_spread"]
-    assert low <= report["speedup"] <= high
-    assert report["speculative_server"]["environment"]["OMP_NUM_THREADS"] == "1"
+    assert report.greedy_match == 1.0
+    assert report.gamma == GAMMA and report.batch_size == 2 and report.repeats == 2
+    assert report.proposed == GAMMA * report.drafts
+    assert report.acceptance_rate == pytest.approx(report.accepted / report.proposed)
+    assert report.mean_accepted_tokens == pytest.approx(1 + report.accepted / report.drafts)
+    assert report.speedup == pytest.approx(report.spec_tokens_per_s / report.target_tokens_per_s)
+    low, high = report.speedup_spread
+    assert low <= report.speedup <= high
+    assert report.speculative_server["environment"]["OMP_NUM_THREADS"] == "1"
+    keys = {"engine", "acceptance_rate", "acceptance_per_position", "mean_accepted_tokens", "target_tokens_per_s"}
+    keys |= {"spec_tokens_per_s", "speedup", "speedup_per_repeat", "speedup_spread", "target_tokens_per_s_per_repeat"}
+    keys |= {"spec_tokens_per_s_per_repeat", "drafts", "proposed", "accepted", "greedy_match", "gamma", "batch_size"}
+    keys |= {"max_new_tokens", "repeats", "prompts", "temperature", "top_k", "top_p", "baseline_server"}
+    assert set(json.loads(json.dumps(report.to_json()))) == keys | {"speculative_server"}  # as it was always written
 
 
 @pytest.mark.vllm
