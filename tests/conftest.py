@@ -11,9 +11,14 @@ from draftsmith.specdec.vllm_server import find_engine
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Every vLLM server of the suite (several may run at once) takes a KV cache of 1 GiB: the tests' prompts are short.
 os.environ.setdefault("DRAFTSMITH_VLLM_KV_CACHE_GIB", "1")
-# Under pytest-xdist (`make test` runs two workers) the cores are shared between the workers.
+# Under pytest-xdist (`make test` runs two workers) the cores are shared between the workers. Training
+# sets its process's threads from the CPUs it may use, capped by OMP_NUM_THREADS (``train.cpu_setup``),
+# and the commands a test starts inherit it: without the cap two workers ran twice as many threads
+# as cores, and OpenMP's waiting threads made every test several times slower.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+torch.set_num_threads(min(THREADS, int(os.environ["OMP_NUM_THREADS"])))
 
 # Decoder tests run on every device this machine has, or on those DRAFTSMITH_TEST_DEVICES names
 # (comma-separated; the GPU check runs them on CUDA alone).

@@ -31,7 +31,7 @@ from draftsmith.specdec.tree import ROOT, TreeShape
 from draftsmith.specdec.tree_drafting import Tree
 from draftsmith.specdec.verify import TargetVerifier
 from draftsmith.train.config import load_run_config
-from tests.helpers import FIT_TOKENS, SAMPLING_PROMPTS, assert_fits, tiny_llama
+from tests.helpers import assert_fits, sample_spec, tiny_llama
 
 META, WEIGHTS = "last_state.json", "last_state.safetensors"
 
@@ -153,15 +153,9 @@ def test_the_kind_samples_as_the_target_does():
     head = LastStateHead(small).eval()
     torch.nn.init.normal_(head.proj.weight, std=0.5)  # a draft that is sometimes right, sometimes not
     params = SamplingParams(temperature=1.0, top_k=8)
-    options = DecodeOptions(gamma=1, sampling=params)
-    generator = torch.Generator().manual_seed(0)
-    samples, accepted = [], 0
-    for _ in range(1500):
-        out, stats = speculative_generate(small, head, [SAMPLING_PROMPTS[0]], FIT_TOKENS, options, generator=generator)
-        samples.append(out[0])
-        accepted += stats.accepted
-    assert 0 < accepted < 1500 * FIT_TOKENS
-    assert_fits(small, params, torch.tensor(samples))
+    first, second, stats = sample_spec(small, head, params, gamma=1, samples=1500)
+    assert 0 < stats.accepted < stats.proposed
+    assert_fits(small, params, first, second)
 
 
 def test_a_registered_kind_trains_checkpoints_ranks_and_publishes(registered, tmp_path, capsys):
