@@ -28,6 +28,8 @@ trained here instead of training its own.
 
 Run (5 x MINUTES of training, then about 20 minutes of measuring per dtype on 2 cores):
     .venv/bin/python benchmarks/drafter_kinds.py --minutes 20
+One kind, to its own results file:
+    .venv/bin/python benchmarks/drafter_kinds.py --only dflash --minutes 8 --name drafter_kinds_dflash
 Smoke test on the tiny target (a few minutes):
     .venv/bin/python benchmarks/drafter_kinds.py --smoke
 """
@@ -206,8 +208,22 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="the tiny target, a few seconds of training each")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="WORD",
+        help="the kinds whose name starts with one of these words (case ignored), e.g. --only dflash eagle-3",
+    )
+    parser.add_argument("--name", default=None, help="results/NAME.json (default: drafter_kinds, or _smoke)")
     args = parser.parse_args()
     kinds = SMOKE if args.smoke else KINDS
+    if args.only:
+        kinds = {
+            name: kind for name, kind in kinds.items() if name.lower().startswith(tuple(w.lower() for w in args.only))
+        }
+        if not kinds:
+            parser.error(f"--only {' '.join(args.only)} names no kind of: {', '.join(SMOKE if args.smoke else KINDS)}")
     if args.smoke:
         args.minutes, args.prompts, args.heldout, args.max_new_tokens, args.repeats = 0.1, 2, 2, 16, 1
         args.gammas, args.trees = [1, 2], ["2,1"]
@@ -229,7 +245,7 @@ def main() -> None:
         print(f"\n{label}\n{header}\n|---|---|---|---|---|---|---|---|---|")
         measured[label] = measure_dtype(cfg, folders, dtype, args)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    name = "drafter_kinds_smoke" if args.smoke else "drafter_kinds"
+    name = args.name or ("drafter_kinds_smoke" if args.smoke else "drafter_kinds")
     save(name, {"settings": settings, "trained": trained, **measured})
 
 
