@@ -215,6 +215,13 @@ def main() -> None:
         metavar="WORD",
         help="the kinds whose name starts with one of these words (case ignored), e.g. --only dflash eagle-3",
     )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config settings for every kind, e.g. teacher.cache=false",
+    )
     parser.add_argument("--name", default=None, help="results/NAME.json (default: drafter_kinds, or _smoke)")
     args = parser.parse_args()
     kinds = SMOKE if args.smoke else KINDS
@@ -232,7 +239,7 @@ def main() -> None:
     trained, folders = {}, {}
     for name, (config, overrides) in kinds.items():
         out = args.out / name.split(" (")[0].replace(" ", "-")
-        cfg = load_config(DistillConfig, str(CONFIGS / config), [*overrides, f"output_dir={out}"])
+        cfg = load_config(DistillConfig, str(CONFIGS / config), [*overrides, *args.set, f"output_dir={out}"])
         print(f"training {name} for {args.minutes} minutes ({config} {' '.join(overrides)})")
         trained[name] = train_for(cfg, args.minutes)
         folders[name] = checkpoint.checkpoint_dirs(out)[-1][1]
