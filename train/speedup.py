@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from draftsmith.specdec.drafters import round_forwards
 from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.measure.pair import evaluate_pair
-from draftsmith.specdec.measure.report import PairReport, Spread
+from draftsmith.specdec.measure.report import PairReport, Spread, fields_of, plain
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.theory import alpha_from_tau, predicted_speedup
 from draftsmith.specdec.tree import TreeShape
@@ -53,20 +53,17 @@ class GammaFigures:
     acceptance_by_position: list[float] | None
 
     @classmethod
-    def of(cls, report: PairReport) -> GammaFigures:
-        return cls(**{f.name: getattr(report, f.name) for f in dataclasses.fields(cls)})
+    def of(cls, report: PairReport):
+        """The figures of ``report`` this class keeps."""
+        return cls(**fields_of(cls, report))
 
     def to_json(self) -> dict:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(GammaFigures)}
+        return {name: plain(value) for name, value in fields_of(GammaFigures, self).items()}
 
 
 @dataclass(frozen=True)
 class TreeFigures(GammaFigures):
     nodes_per_round: float | None = None
-
-    @classmethod
-    def of(cls, report: PairReport) -> TreeFigures:
-        return cls(**{f.name: getattr(report, f.name) for f in dataclasses.fields(cls)})
 
     def to_json(self) -> dict:
         return {**super().to_json(), "nodes_per_round": self.nodes_per_round}
@@ -96,15 +93,11 @@ class DraftMeasurement(GammaFigures):
         out = {"temperature": self.temperature, "best_gamma": self.best_gamma}
         out.update(GammaFigures.to_json(self))
         for name in ("measured_cost_ratio", "alpha_per_position", "base_gamma", "at_base_gamma", "predicted_by_gamma"):
-            out[name] = _plain(getattr(self, name))
+            out[name] = plain(getattr(self, name))
         if self.trees is not None:
             out["trees"] = {shape: figures.to_json() for shape, figures in self.trees.items()}
             out["best_tree"] = self.best_tree
         return out
-
-
-def _plain(value):
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def measure_draft(
@@ -145,25 +138,10 @@ def measure_draft(
     paced = settings.options.pace and settings.options.tree is None
     confirmed = first if best_gamma == base and not paced else run(gamma=best_gamma)
     measured_alpha = confirmed.acceptance_rate
-    at_best = GammaFigures.of(confirmed)
-    result = DraftMeasurement(
-        **{f.name: getattr(at_best, f.name) for f in dataclasses.fields(GammaFigures)},
-        temperature=settings.options.sampling.temperature,
-        best_gamma=best_gamma,
-        measured_cost_ratio={
-            "cost_ratio_c": first.cost_ratio_c,
-            "cost_ratio_c_spread": _plain(first.cost_ratio_c_spread),
-        },
-        alpha_per_position=alpha,
-        base_gamma=base,
-        at_base_gamma=GammaFigures.of(first),
-        predicted_by_gamma={str(g): p for g, p in predicted.items()},
-    )
     # Every sequence drafting every round, at the alpha measured at the best gamma, with that run's c and
     # v; a paced run's own v mixes in plain steps, so it takes them as the base gamma's run gives them there.
-    result = dataclasses.replace(
-        result,
-        predicted_speedup=None
+    predicted_at_best = (
+        None
         if measured_alpha is None
         else predicted_speedup(
             measured_alpha,
@@ -171,13 +149,26 @@ def measure_draft(
             cost(best_gamma) if paced else confirmed.cost_ratio_c,
             1 + (v - 1) * best_gamma / base if paced else confirmed.verify_ratio_v,
             round_forwards(draft, best_gamma),
-        ),
+        )
     )
-    if trees:
-        # A tree is drafted on the draft's own cache (a kind whose draft shares the target's drafts it standalone).
-        measured = {t.text: TreeFigures.of(run(tree=t)) for t in trees}
-        best_tree = choose_tree({shape: figures.speedup for shape, figures in measured.items()}, result.speedup)
-        result = dataclasses.replace(result, trees=measured, best_tree=best_tree)
+    # A tree is drafted on the draft's own cache (a kind whose draft shares the target's drafts it standalone).
+    measured = {t.text: TreeFigures.of(run(tree=t)) for t in trees}
+    speedups = {shape: figures.speedup for shape, figures in measured.items()}
+    result = DraftMeasurement(
+        **{**fields_of(GammaFigures, confirmed), "predicted_speedup": predicted_at_best},
+        temperature=settings.options.sampling.temperature,
+        best_gamma=best_gamma,
+        measured_cost_ratio={
+            "cost_ratio_c": first.cost_ratio_c,
+            "cost_ratio_c_spread": plain(first.cost_ratio_c_spread),
+        },
+        alpha_per_position=alpha,
+        base_gamma=base,
+        at_base_gamma=GammaFigures.of(first),
+        predicted_by_gamma={str(g): p for g, p in predicted.items()},
+        trees=measured or None,
+        best_tree=choose_tree(speedups, confirmed.speedup) if trees else None,
+    )
     return result
 
 

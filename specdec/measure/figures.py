@@ -11,7 +11,7 @@ import statistics
 
 from draftsmith.specdec.measure.costs import step_costs, sum_stats
 from draftsmith.specdec.measure.hf_compare import HFComparison
-from draftsmith.specdec.measure.report import PairFigures, PairReport, TimeSplit
+from draftsmith.specdec.measure.report import PairFigures, PairReport, TimeSplit, fields_of
 from draftsmith.specdec.measure.tables import spread
 from draftsmith.specdec.measure.tally import Tally
 from draftsmith.specdec.measure.theory import acceptance_by_position, predicted_speedup, predicted_tree_speedup
@@ -73,7 +73,7 @@ def report_from_repeats(
         efficiency=speedup / median.predicted_speedup if median.predicted_speedup else median.efficiency,
     )
     return PairReport(
-        **{f.name: getattr(figures, f.name) for f in dataclasses.fields(PairFigures)},
+        **fields_of(PairFigures, figures),
         speedup_per_repeat=[r.speedup for r in per_repeat],
         speedup_spread=spread([r.speedup for r in per_repeat]),
         cost_ratio_c_spread=spread([r.cost_ratio_c for r in per_repeat]),

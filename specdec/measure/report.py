@@ -55,7 +55,7 @@ class PairFigures:
     time_split_s: TimeSplit
 
     def to_json(self) -> dict:
-        return {f.name: _json(getattr(self, f.name)) for f in dataclasses.fields(PairFigures)}
+        return {name: plain(value) for name, value in fields_of(PairFigures, self).items()}
 
 
 @dataclass(frozen=True)
@@ -127,22 +127,27 @@ class PairReport(PairFigures):
         out = super().to_json()
         out.update(
             speedup_per_repeat=self.speedup_per_repeat,
-            speedup_spread=_json(self.speedup_spread),
-            cost_ratio_c_spread=_json(self.cost_ratio_c_spread),
+            speedup_spread=plain(self.speedup_spread),
+            cost_ratio_c_spread=plain(self.cost_ratio_c_spread),
             greedy_match=self.greedy_match,
             per_category={name: figures.to_json() for name, figures in self.per_category.items()},
         )
         if self.hf is not None:
             out.update(self.hf.to_json())
         if self.under is not None:
-            out.update(_json(self.under))
-            out.update(_json(self.compiled))
+            out.update(plain(self.under))
+            out.update(plain(self.compiled))
         return {**out, **self.kind_figures, **self.source}
 
 
-def _json(value):
+def plain(value):
     """A dataclass as a dict of its fields (recursively); anything else as it is."""
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def fields_of(cls, value) -> dict:
+    """``value``'s attributes named as ``cls``'s fields: what builds a ``cls`` from a wider result."""
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(cls)}
 
 
 @dataclass(frozen=True, kw_only=True)
