@@ -13,8 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DRAFTSMITH_VLLM_KV_CACHE_GIB", "1")
 # Under pytest-xdist (`make test` runs two workers) the cores are shared between the workers. Training
 # sets its process's threads from the CPUs it may use, capped by OMP_NUM_THREADS (``train.cpu_setup``),
-# and the commands a test starts inherit it: without the cap two workers ran twice as many threads
-# as cores, and OpenMP's waiting threads made every test several times slower.
+# and the commands a test starts inherit it: without the cap a worker that had trained ran as many
+# threads as there are cores beside the other worker's.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
 os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
