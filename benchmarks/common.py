@@ -66,5 +66,7 @@ def save(name: str, result: dict) -> None:
     result = {**result, "machine": machine()}
     out = Path(__file__).parent / "results" / f"{name}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    partial = out.with_name(f".{out.name}.partial")
+    partial.write_text(json.dumps(result, indent=2))
+    partial.replace(out)  # a run stopped while writing keeps the file it had
     print(f"\nwritten: {out}")

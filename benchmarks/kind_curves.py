@@ -26,15 +26,21 @@ Run (sum of the largest budget over the kinds, plus measuring, on 2 cores):
     .venv/bin/python benchmarks/kind_curves.py --budgets 5,15,45
 Smoke test on the tiny target (a few minutes):
     .venv/bin/python benchmarks/kind_curves.py --smoke
+
+The results file is rewritten after every kind, with the machine that kind ran on. A run that
+stopped part-way goes on with ``--continue`` (same settings): finished kinds are kept, the kind it
+was training starts again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 from pathlib import Path
 
 import torch
-from common import PROMPTS, save
+from common import PROMPTS, machine, save
 from kind_runs import decoding_draft, train_snapshots
 
 from draftsmith.distill.drafts import KINDS
@@ -89,6 +95,22 @@ def measure_snapshot(target, tokenizer, folder: Path, args) -> dict:
     }
 
 
+def earlier_kinds(path: Path, settings: dict, dtype: str, parser) -> tuple[dict, dict]:
+    """The finished kinds of the run ``--continue`` goes on with, and the machines they ran on."""
+    if not path.is_file():
+        parser.error(f"--continue: no earlier results at {path}")
+    earlier = json.loads(path.read_text())
+
+    def comparable(chosen: dict) -> dict:  # the kinds may differ: a continued run may add some
+        return {k: v for k, v in json.loads(json.dumps(chosen)).items() if k != "kinds"}
+
+    if (comparable(earlier["settings"]), earlier["dtype"]) != (comparable(settings), dtype):
+        other = f"{earlier['settings']}, {earlier['dtype']}"
+        parser.error(f"--continue: {path} was measured with other settings or dtype: {other}")
+    kinds = {k: v for k, v in earlier.items() if k in KINDS}
+    return kinds, {k: earlier.get("machines", {}).get(k, earlier.get("machine")) for k in kinds}
+
+
 def plot(curves: dict, path: Path) -> None:
     import matplotlib
 
@@ -122,15 +144,32 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="the tiny target, a few seconds of training each")
+    parser.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="go on with the run whose results file and --out are there (same settings): keep its finished kinds",
+    )
     args = parser.parse_args()
     budgets = sorted(float(b) for b in args.budgets.split(","))
     if args.smoke:
         budgets, args.prompts, args.max_new_tokens, args.repeats, args.gammas = [0.02, 0.05], 2, 16, 1, [1, 2]
-    if args.out.exists():
-        parser.error(f"{args.out} exists (an earlier run's drafts): remove it, or pass another --out")
+    name = "kind_curves_smoke" if args.smoke else "kind_curves"
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume")} | {"budgets": budgets}
     dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
-    curves, target = {}, None
+    curves, machines = {}, {}
+    if args.resume:
+        curves, machines = earlier_kinds(RESULTS / f"{name}.json", settings, str(dtype).removeprefix("torch."), parser)
+    elif args.out.exists():
+        parser.error(f"{args.out} exists (an earlier run's drafts): remove it, pass another --out, or --continue")
+    target = None
     for kind in args.kinds.split(","):
+        if kind in curves:
+            print(f"{kind}: measured by the earlier run, kept")
+            continue
+        if (args.out / kind).exists():
+            print(f"{kind}: the earlier run stopped while training it; starting it again")
+            shutil.rmtree(args.out / kind)
         config, overrides = kind_config(kind, args.smoke)
         cfg = load_config(DistillConfig, str(config), [*overrides, f"output_dir={args.out / kind}"])
         print(f"{kind}: {config.name} {' '.join(overrides)}, snapshots at {budgets} training minutes")
@@ -147,9 +186,10 @@ def main() -> None:
                 f"{point['cost_ratio_c']:.3f}, gamma {point['best_gamma']}, speedup {point['speedup']:.2f}x "
                 f"(predicted {point['predicted_speedup']:.2f}x), greedy {point['greedy_match']}"
             )
-    name = "kind_curves_smoke" if args.smoke else "kind_curves"
-    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"budgets": budgets}
-    save(name, {"settings": settings, "dtype": str(dtype).removeprefix("torch."), **curves})
+        machines[kind] = machine()
+        done = all(k in curves for k in args.kinds.split(","))
+        dtype_name = str(dtype).removeprefix("torch.")
+        save(name, {"settings": settings, "dtype": dtype_name, "complete": done, "machines": machines, **curves})
     plot(curves, RESULTS / f"{name}.png")
     print(f"plot: {RESULTS / f'{name}.png'}")
 
