@@ -13,12 +13,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DRAFTSMITH_VLLM_KV_CACHE_GIB", "1")
 # Under pytest-xdist (`make test` runs two workers) the cores are shared between the workers. Training
 # sets its process's threads from the CPUs it may use, capped by OMP_NUM_THREADS (``train.cpu_setup``),
-# and the commands a test starts inherit it: without the cap a worker that had trained ran as many
-# threads as there are cores beside the other worker's.
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
-os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
-torch.set_num_threads(min(THREADS, int(os.environ["OMP_NUM_THREADS"])))
+# and the commands a test starts inherit it. The cap is set in ``pytest_configure`` from the number of
+# workers, in the controller as in each worker: the workers inherit the controller's environment, so a
+# cap the controller set for one process would give every worker all the cores. Two workers of two
+# OpenMP threads each on two cores wait on each other's barriers and run many times slower.
+
+
+def suite_processes(config: pytest.Config) -> int:
+    """How many processes run the suite: pytest-xdist's workers (``-n``), or this one."""
+    if hasattr(config, "workerinput"):  # inside an xdist worker
+        return int(config.workerinput["workercount"])
+    chosen = getattr(config.option, "numprocesses", None)
+    if chosen in ("auto", "logical"):
+        return os.cpu_count() or 1
+    return int(chosen) if chosen else 1
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    threads = max(1, min(2, (os.cpu_count() or 1) // suite_processes(config)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(min(threads, int(os.environ["OMP_NUM_THREADS"])))
+
 
 # Decoder tests run on every device this machine has, or on those DRAFTSMITH_TEST_DEVICES names
 # (comma-separated; the GPU check runs them on CUDA alone).
