@@ -18,6 +18,8 @@ os.environ.setdefault("DRAFTSMITH_VLLM_KV_CACHE_GIB", "1")
 # cap the controller set for one process would give every worker all the cores. Two workers of two
 # OpenMP threads each on two cores wait on each other's barriers and run many times slower.
 
+USER_THREADS = "DRAFTSMITH_TEST_THREADS_GIVEN"
+
 
 def suite_processes(config: pytest.Config) -> int:
     """How many processes run the suite: pytest-xdist's workers (``-n``), or this one."""
@@ -30,6 +32,8 @@ def suite_processes(config: pytest.Config) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Whether the cap was the user's: the first process to get here (the controller) records it for all.
+    os.environ.setdefault(USER_THREADS, "1" if "OMP_NUM_THREADS" in os.environ else "0")
     threads = max(1, min(2, (os.cpu_count() or 1) // suite_processes(config)))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(min(threads, int(os.environ["OMP_NUM_THREADS"])))
