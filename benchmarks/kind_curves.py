@@ -157,9 +157,10 @@ def main() -> None:
     name = "kind_curves_smoke" if args.smoke else "kind_curves"
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume")} | {"budgets": budgets}
     dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
+    dtype_name = str(dtype).removeprefix("torch.")
     curves, machines = {}, {}
     if args.resume:
-        curves, machines = earlier_kinds(RESULTS / f"{name}.json", settings, str(dtype).removeprefix("torch."), parser)
+        curves, machines = earlier_kinds(RESULTS / f"{name}.json", settings, dtype_name, parser)
     elif args.out.exists():
         parser.error(f"{args.out} exists (an earlier run's drafts): remove it, pass another --out, or --continue")
     target = None
@@ -188,7 +189,6 @@ def main() -> None:
             )
         machines[kind] = machine()
         done = all(k in curves for k in args.kinds.split(","))
-        dtype_name = str(dtype).removeprefix("torch.")
         save(name, {"settings": settings, "dtype": dtype_name, "complete": done, "machines": machines, **curves})
     plot(curves, RESULTS / f"{name}.png")
     print(f"plot: {RESULTS / f'{name}.png'}")

@@ -6,6 +6,7 @@ import torch
 
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.vllm_server import find_engine
+from draftsmith.train.cpu_setup import usable_cpus
 
 # No hub is reachable in CI; fail fast instead of waiting on network timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,14 +28,14 @@ def suite_processes(config: pytest.Config) -> int:
         return int(config.workerinput["workercount"])
     chosen = getattr(config.option, "numprocesses", None)
     if chosen in ("auto", "logical"):
-        return os.cpu_count() or 1
+        return usable_cpus()
     return int(chosen) if chosen else 1
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Whether the cap was the user's: the first process to get here (the controller) records it for all.
     os.environ.setdefault(USER_THREADS, "1" if "OMP_NUM_THREADS" in os.environ else "0")
-    threads = max(1, min(2, (os.cpu_count() or 1) // suite_processes(config)))
+    threads = max(1, min(2, usable_cpus() // suite_processes(config)))  # the cores training counts
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(min(threads, int(os.environ["OMP_NUM_THREADS"])))
 
