@@ -134,6 +134,25 @@ def plot(curves: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def table(results: dict) -> str:
+    """The results as a markdown table: one row per kind and budget."""
+    lines = [
+        "| kind | minutes | steps | tokens | held-out Σ min(p,q) | α by position (base γ) | c | best γ "
+        "| speedup (predicted) | greedy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind in (k for k in KINDS if k in results):
+        for p in results[kind]:
+            alphas = " / ".join("–" if a is None else f"{a:.2f}" for a in p["alpha_per_position"])
+            greedy = "identical" if p["greedy_match"] == 1.0 else f"{p['greedy_match']:.3f}"
+            lines.append(
+                f"| {kind} | {p['budget_minutes']:g} ({p['train_s'] / 60:.1f} trained) | {p['steps']} "
+                f"| {p['tokens'] / 1000:.0f} k | {p['heldout_sum_min_pq']:.3f} | {alphas} | {p['cost_ratio_c']:.3f} "
+                f"| {p['best_gamma']} | {p['speedup']:.2f}× ({p['predicted_speedup']:.2f}×) | {greedy} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", default="5,15,45", help="training minutes of the snapshots (comma-separated)")
@@ -150,7 +169,15 @@ def main() -> None:
         action="store_true",
         help="go on with the run whose results file and --out are there (same settings): keep its finished kinds",
     )
+    parser.add_argument(
+        "--table", action="store_true", help="print the results file (or --smoke's) as a markdown table, run nothing"
+    )
     args = parser.parse_args()
+    if args.table:
+        print(
+            table(json.loads((RESULTS / ("kind_curves_smoke.json" if args.smoke else "kind_curves.json")).read_text()))
+        )
+        return
     budgets = sorted(float(b) for b in args.budgets.split(","))
     if args.smoke:
         budgets, args.prompts, args.max_new_tokens, args.repeats, args.gammas = [0.02, 0.05], 2, 16, 1, [1, 2]

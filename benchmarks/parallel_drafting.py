@@ -15,9 +15,11 @@ each run trains until ``--minutes`` have passed, then saves its draft. Then, for
   a_i (``forwards``: 1 per round for the parallel draft, gamma for the ordinary one);
 - in float32, and in bfloat16 where the CPU has it natively.
 
-With ``--drafts DIR`` nothing is trained here: the truncated LM and the parallel draft that
-``benchmarks/drafter_kinds.py --out DIR`` trained (the same two configs, the same minutes each, its
-kinds' shipped ``max_steps``) are measured.
+With ``--drafts DIR`` nothing is trained here: the standalone LM and the parallel draft another
+benchmark trained there for the same minutes each, under their shipped ``max_steps``, are measured:
+``benchmarks/drafter_kinds.py --out DIR`` (the truncated LM and the parallel config) or
+``benchmarks/kind_curves.py --out DIR`` (``smollm2-135m.yaml`` and the parallel config, each at its
+largest budget; the figures of the training come from ``benchmarks/results/kind_curves.json``).
 
 Run (2 x MINUTES of training, then about 30 minutes of measuring on 2 cores):
     .venv/bin/python benchmarks/parallel_drafting.py --minutes 30
@@ -50,6 +52,7 @@ from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.models import load_target
 
 CONFIGS = Path(__file__).parents[1] / "configs"
+RESULTS = Path(__file__).parent / "results"
 ORDINARY = ["draft.kind=lm", "draft.options={}"]  # the parallel config's draft, without its masks
 # --smoke: configs/tiny.yaml as a parallel draft (<unk> as the mask: the character data has none), head cut too
 SMOKE = ["draft.kind=parallel", "draft.options={mask_token_id: 2, k: 4}"]
@@ -163,6 +166,35 @@ def measure_dtype(cfg: DistillConfig, folders: dict[str, Path], dtype: torch.dty
     return result
 
 
+def trained_elsewhere(out: Path, parser) -> tuple[dict, dict]:
+    """The two drafts another benchmark trained under ``out``, with its figures of their training, and
+    their latest checkpoints: drafter_kinds' layout (a ``trained.json`` per run) or kind_curves' (the
+    figures of each run's last snapshot in its results file)."""
+    if (out / "lm").is_dir() and (out / "parallel").is_dir():
+        curves = json.loads((RESULTS / "kind_curves.json").read_text())
+        trained, folders = {}, {}
+        for name, kind in (("ordinary", "lm"), ("parallel", "parallel")):
+            if kind not in curves:
+                parser.error(f"{RESULTS / 'kind_curves.json'} has no {kind} curve: run benchmarks/kind_curves.py first")
+            last = curves[kind][-1]
+            folders[name] = out / kind / f"checkpoint-{last['steps']}"
+            if not folders[name].is_dir():
+                parser.error(f"{folders[name]} not found: kind_curves.json was measured on other drafts than {out}'s")
+            figures = {"steps": last["steps"], "train_s": last["train_s"], "heldout_alpha": last["heldout_sum_min_pq"]}
+            trained[name] = {"from": str(folders[name]), **figures, "load_average": last["load_average"]}
+        return trained, folders
+    trained, folders = {}, {}
+    for name, folder in (("ordinary", "truncated-LM"), ("parallel", "parallel-draft")):
+        if not (out / folder / "trained.json").is_file():
+            parser.error(
+                f"{out / folder / 'trained.json'} not found: train with benchmarks/drafter_kinds.py or "
+                "benchmarks/kind_curves.py first"
+            )
+        trained[name] = {"from": str(out / folder), **json.loads((out / folder / "trained.json").read_text())}
+        folders[name] = checkpoint.checkpoint_dirs(out / folder)[-1][1]
+    return trained, folders
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0, help="training minutes per draft")
@@ -174,7 +206,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16" if cpu_has_native_bfloat16() else "float32")
     parser.add_argument("--smoke", action="store_true", help="the tiny target, seconds of training, few prompts")
-    parser.add_argument("--drafts", type=Path, help="measure the drafts benchmarks/drafter_kinds.py trained there")
+    parser.add_argument(
+        "--drafts", type=Path, help="measure the drafts benchmarks/drafter_kinds.py or kind_curves.py trained there"
+    )
     args = parser.parse_args()
     overrides = ["optim.max_steps=1000000", "save.steps=1000000", "log.steps=1000000", "save.keep_last=1"]
     config, parallel = CONFIGS / "smollm2-135m-parallel.yaml", []
@@ -188,11 +222,7 @@ def main() -> None:
     folders, trained = {}, {}
     if args.drafts is not None:
         out = args.drafts
-        for name, folder in (("ordinary", "truncated-LM"), ("parallel", "parallel-draft")):
-            if not (out / folder / "trained.json").is_file():
-                parser.error(f"{out / folder / 'trained.json'} not found: train with benchmarks/drafter_kinds.py first")
-            trained[name] = {"from": str(out / folder), **json.loads((out / folder / "trained.json").read_text())}
-            folders[name] = checkpoint.checkpoint_dirs(out / folder)[-1][1]
+        trained, folders = trained_elsewhere(out, parser)
     else:
         for name, kind in (("ordinary", ORDINARY), ("parallel", parallel)):
             cfg = load_config(DistillConfig, str(config), [*overrides, *kind, f"output_dir={out / name}"])

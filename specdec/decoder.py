@@ -65,7 +65,10 @@ class DecodeStats:
     seq_proposed: list[int] = field(default_factory=list)  # per prompt, in input order
     seq_accepted: list[int] = field(default_factory=list)
     prefill_time: float = 0.0
-    draft_time: float = 0.0
+    draft_time: float = 0.0  # rounds in which some sequence drafted (c: per draft step)
+    # rounds in which no sequence drafted (paused by pacing, or no room left for a draft): a drafter
+    # catching up, or the target's own lower layers for a draft sharing them; no draft step, so not in c
+    paused_draft_time: float = 0.0
     verify_time: float = 0.0  # target forwards after the prefill (single-token steps for the baseline)
     other_time: float = 0.0  # acceptance, sampling, bookkeeping
     total_time: float = 0.0
@@ -277,7 +280,10 @@ def _chain_round(
     proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
     stats.draft_forwards += proposal.steps
     draft_s = clock.lap()
-    stats.draft_time += draft_s
+    if proposal.steps:
+        stats.draft_time += draft_s
+    else:
+        stats.paused_draft_time += draft_s
 
     # 2. Verify: one target forward over [x_n, d_1 .. d_g] for every sequence.
     last = torch.tensor([out.sequences[seq][-1] for seq in live], device=device)

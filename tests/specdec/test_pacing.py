@@ -129,3 +129,18 @@ def test_paused_sampling_is_distributed_as_the_target(target, monkeypatch):
     first, second, stats = sample_spec(target, noisy_copy(target, 0.8), params, gamma=3, pace=True)
     assert stats.paused > 1000 and stats.proposed > 1000
     assert_fits(target, params, first, second)
+
+
+def test_paused_rounds_keep_their_drafter_time_out_of_the_draft_step_cost(target, monkeypatch):
+    # One tick per lap of the decoder's clock: every round's draft phase is one tick, drafting or not.
+    # A round in which nothing drafts has no draft step, so its tick must not be charged to c's draft
+    # time (for an early-exit draft that time is the target's own lower layers).
+    monkeypatch.setattr(time, "perf_counter", TickClock())
+    schedule = itertools.cycle([True, False, False])
+    monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: next(schedule))
+    out, stats = decode(target, noisy_copy(target, 0.8), [PROMPTS[2]], gamma=3, pace=True)
+    assert out == target_generate(target, [PROMPTS[2]], 24)[0]
+    drafting_rounds = len(stats.round_counts)  # a round with no draft: paused, or no room left for one
+    assert stats.paused > 0 and 0 < drafting_rounds <= stats.rounds - stats.paused
+    assert stats.draft_time == pytest.approx(drafting_rounds)
+    assert stats.paused_draft_time == pytest.approx(stats.rounds - drafting_rounds)
