@@ -255,7 +255,7 @@ def block_attention(q, k, v, context_k, context_v, context_ok, scale: float) -> 
     context_k, context_v = context_k.repeat_interleave(groups, -2), context_v.repeat_interleave(groups, -2)
     k, v = k.repeat_interleave(groups, -2), v.repeat_interleave(groups, -2)
     on_context = torch.einsum("baqhd,bshd->bahqs", q, context_k) * scale
-    on_context = on_context.masked_fill(~context_ok[:, :, None, None, :], torch.finfo(q.dtype).min)
+    on_context = on_context.masked_fill(~context_ok[:, :, None, None, :], torch.finfo(on_context.dtype).min)
     on_block = torch.einsum("baqhd,bakhd->bahqk", q, k) * scale
     weights = torch.cat([on_context, on_block], -1).float().softmax(-1).to(q.dtype)
     seen = context_k.shape[1]

@@ -143,6 +143,21 @@ def test_block_position_k_computes_what_drafting_after_the_anchor_computes(targe
     assert torch.allclose(trained, moved, atol=1e-5)
 
 
+def test_a_block_trains_under_bfloat16_autocast_as_in_float32(target):
+    """Mixed precision (optim.mixed_precision: auto on a CPU with native bfloat16): float32 weights,
+    bfloat16 matmuls. The context rows a block may not see are masked in the scores' own dtype."""
+    draft = fitted_draft(target, steps=1)
+    ids = torch.randint(2, MASK, (2, 12), generator=torch.Generator().manual_seed(5))
+    batch, _ = teacher_batch(target, draft, ids)
+    anchors = torch.tensor([[2, 6], [3, 7]])
+    with torch.no_grad():
+        full = draft(ids, batch.attention_mask, batch.teacher_hidden, anchors, 4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = draft(ids, batch.attention_mask, batch.teacher_hidden, anchors, 4)
+    assert torch.isfinite(mixed).all()
+    assert torch.allclose(mixed.float(), full, atol=0.1, rtol=0.05)
+
+
 def test_settings_the_kind_cannot_use_are_refused_by_name():
     with pytest.raises(DraftsmithError, match="need draft.options.mask_token_id"):
         KIND.check(DraftSettings(kind="dflash"))
