@@ -182,7 +182,7 @@ def main() -> None:
     if args.smoke:
         budgets, args.prompts, args.max_new_tokens, args.repeats, args.gammas = [0.02, 0.05], 2, 16, 1, [1, 2]
     name = "kind_curves_smoke" if args.smoke else "kind_curves"
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume")} | {"budgets": budgets}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "table")} | {"budgets": budgets}
     dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
     dtype_name = str(dtype).removeprefix("torch.")
     curves, machines = {}, {}
