@@ -29,7 +29,8 @@ Smoke test on the tiny target (a few minutes):
 
 The results file is rewritten after every kind, with the machine that kind ran on. A run that
 stopped part-way goes on with ``--continue`` (same settings): finished kinds are kept, the kind it
-was training starts again.
+was training starts again. ``--table`` prints the results as a markdown table (the one in
+docs/benchmarks.md) and draws the plot again, running nothing.
 """
 
 from __future__ import annotations
@@ -118,8 +119,10 @@ def plot(curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_alpha, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    budgets = sorted({p["budget_minutes"] for points in curves.values() for p in points})
     for kind, points in curves.items():
-        minutes = [p["budget_minutes"] for p in points]
+        # at the minutes a kind trained: a run that reached its config's max_steps stops short of a budget
+        minutes = [p["train_s"] / 60 for p in points]
         ax_alpha.plot(minutes, [p["alpha_per_position"][0] for p in points], marker="o", label=kind)
         ax_speed.plot(minutes, [p["speedup"] for p in points], marker="o", label=kind)
     ax_alpha.set(xlabel="training minutes", ylabel="greedy alpha at draft position 1", title="acceptance")
@@ -127,6 +130,8 @@ def plot(curves: dict, path: Path) -> None:
     ax_speed.set(xlabel="training minutes", ylabel="measured speedup (best gamma)", title="speedup, side by side")
     for ax in (ax_alpha, ax_speed):
         ax.set_xscale("log")
+        ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -170,18 +175,20 @@ def main() -> None:
         help="go on with the run whose results file and --out are there (same settings): keep its finished kinds",
     )
     parser.add_argument(
-        "--table", action="store_true", help="print the results file (or --smoke's) as a markdown table, run nothing"
+        "--table",
+        action="store_true",
+        help="print the results file (or --smoke's) as a markdown table and draw its plot again; run nothing",
     )
     args = parser.parse_args()
+    name = "kind_curves_smoke" if args.smoke else "kind_curves"
     if args.table:
-        print(
-            table(json.loads((RESULTS / ("kind_curves_smoke.json" if args.smoke else "kind_curves.json")).read_text()))
-        )
+        results = json.loads((RESULTS / f"{name}.json").read_text())
+        print(table(results))
+        plot({k: v for k, v in results.items() if k in KINDS}, RESULTS / f"{name}.png")
         return
     budgets = sorted(float(b) for b in args.budgets.split(","))
     if args.smoke:
         budgets, args.prompts, args.max_new_tokens, args.repeats, args.gammas = [0.02, 0.05], 2, 16, 1, [1, 2]
-    name = "kind_curves_smoke" if args.smoke else "kind_curves"
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "table")} | {"budgets": budgets}
     dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
     dtype_name = str(dtype).removeprefix("torch.")
