@@ -16,7 +16,8 @@ each run trains until ``--minutes`` have passed, then saves its draft. Then, for
 - in float32, and in bfloat16 where the CPU has it natively.
 
 With ``--drafts DIR`` nothing is trained here: the standalone LM and the parallel draft another
-benchmark trained there for the same minutes each, under their shipped ``max_steps``, are measured:
+benchmark trained there for the same budget of minutes each (a run that reached its shipped
+``max_steps`` first stopped there; ``trained`` in the results says how long each trained) are measured:
 ``benchmarks/drafter_kinds.py --out DIR`` (the truncated LM and the parallel config) or
 ``benchmarks/kind_curves.py --out DIR`` (``smollm2-135m.yaml`` and the parallel config, each at its
 largest budget; the figures of the training come from ``benchmarks/results/kind_curves.json``).
