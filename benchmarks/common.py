@@ -16,6 +16,7 @@ from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 
 PROMPTS = Path(__file__).parents[1] / "distill" / "data" / "eval_prompts.jsonl"  # held out from training
+RESULTS = Path(__file__).parent / "results"  # every benchmark's JSON (``save``) and plots
 
 
 def default_target(device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -64,7 +65,7 @@ def machine() -> dict:
 def save(name: str, result: dict) -> None:
     """Write ``results/<name>.json`` with the machine it was measured on."""
     result = {**result, "machine": machine()}
-    out = Path(__file__).parent / "results" / f"{name}.json"
+    out = RESULTS / f"{name}.json"
     out.parent.mkdir(exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
     partial.write_text(json.dumps(result, indent=2))

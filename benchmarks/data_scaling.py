@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import save
+from common import RESULTS, save
 
 from draftsmith.distill import dataset_builder
 from draftsmith.distill.drafts import load_draft
@@ -207,7 +207,7 @@ def main() -> None:
         measured = measure(target, tokenizer, draft, prompts, args)
         result["runs"].append({**facts, "draft": str(folder), "measured": measured})
         save("data_scaling", result)
-    plot(result, Path(__file__).parent / "results" / "data_scaling.png")
+    plot(result, RESULTS / "data_scaling.png")
 
 
 def with_trained_head(draft, folder: Path, eos: frozenset[int]):

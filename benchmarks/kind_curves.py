@@ -41,7 +41,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from common import PROMPTS, machine, save
+from common import PROMPTS, RESULTS, machine, save
 from kind_runs import decoding_draft, train_snapshots
 
 from draftsmith.distill.drafts import KINDS
@@ -54,7 +54,6 @@ from draftsmith.train.models import load_target
 from draftsmith.train.speedup import measure_draft
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-RESULTS = Path(__file__).parent / "results"
 # --smoke: configs/tiny.yaml as each kind, with the options a kind cannot do without there
 SMOKE_OVERRIDES = {
     "lm": [],

@@ -35,7 +35,7 @@ import json
 from pathlib import Path
 
 import torch
-from common import PROMPTS, save
+from common import PROMPTS, RESULTS, save
 from kind_runs import answers_batch, decoding_draft, train_for
 
 from draftsmith.distill import vocab_cut
@@ -53,7 +53,6 @@ from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.models import load_target
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-RESULTS = Path(__file__).parent / "results"
 ORDINARY = ["draft.kind=lm", "draft.options={}"]  # the parallel config's draft, without its masks
 # --smoke: configs/tiny.yaml as a parallel draft (<unk> as the mask: the character data has none), head cut too
 SMOKE = ["draft.kind=parallel", "draft.options={mask_token_id: 2, k: 4}"]
