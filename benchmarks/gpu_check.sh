@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU and no network, run the test suite with the decoder
 # tests on CUDA (eager and compiled), then the decoder on random-weight models of real shapes, eager vs
-# compiled (benchmarks/real_shapes.py). It runs from the checkout without installing it: draftsmith is
+# compiled (benchmarks/real_shapes.py), then every kind for a few bfloat16 training steps, live and
+# from the feature store (one process on one GPU; DDP and FSDP on two). It runs from the checkout without installing it: draftsmith is
 # put together from symbolic links as pyproject.toml maps it (scripts/ is draftsmith, specdec/ is
 # draftsmith.specdec, ...), and wheels in .whl/ (a transformers the image is too old for) are
 # installed into a temporary folder. Tests that need datasets or gguf are skipped where those are
@@ -15,8 +16,9 @@ set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 PYTHON=${PYTHON:-python3}
-TESTS_S=${TESTS_S:-270}            # time limit of the test suite
-BENCHMARKS_S=${BENCHMARKS_S:-180}  # time limit of the benchmarks
+TESTS_S=${TESTS_S:-220}            # time limit of the test suite
+BENCHMARKS_S=${BENCHMARKS_S:-150}  # time limit of the benchmarks
+KINDS_S=${KINDS_S:-100}            # time limit of the kinds' training runs (one GPU; 2 GPUs take longer)
 
 # transformers is the one package whose API the checkout needs newer than the GPU image has (5.17):
 # the cache is passed as `cache=`, and a static cache is cropped on rollback.
@@ -75,28 +77,41 @@ timeout -s INT "$BENCHMARKS_S" "$PYTHON" benchmarks/real_shapes.py --device cuda
     --budget-s $((BENCHMARKS_S / 2)) 2>&1 | tee "$WORK/logs/real_shapes.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 
-echo "== every kind for a few bfloat16 steps on 2 GPUs, DDP and FSDP, live and from the feature store"
-if (( $("$PYTHON" -c "import torch; print(torch.cuda.device_count())") >= 2 )); then
+# Each kind for a few bfloat16 steps with a live teacher, then again from the feature store the first
+# run filled ($1: the run's name; the rest: how to start distill).
+train_kinds() {
+    local name=$1 deadline=$((SECONDS + KINDS_S)); shift
     for kind in $("$PYTHON" -c "from draftsmith.distill.drafts import KINDS; print(' '.join(KINDS))"); do
+        dtype=bfloat16
         case $kind in
             parallel) opts=('draft.options={"mask_token_id": 2, "k": 3}') ;;
             dflash) opts=(draft.layers=1 'draft.options={"mask_token_id": 2, "block_size": 4}') ;;
+            early_exit) opts=(); dtype=auto ;;  # the shared layers keep the target's own dtype
             *) opts=() ;;
         esac
-        for launch in ddp fsdp; do
-            for cache in false true; do
-                run="$WORK/runs/$kind-$launch-cache-$cache"
-                timeout -s INT 600 "$PYTHON" -m accelerate.commands.launch --config_file "configs/accelerate/$launch.yaml" \
-                    --num_processes 2 -m draftsmith.cli distill --config tiny "output_dir=$run" "draft.kind=$kind" \
-                    "${opts[@]}" teacher.dtype=bfloat16 optim.mixed_precision=bf16 optim.max_steps=4 save.steps=4 \
-                    log.steps=2 "teacher.cache=$cache" 2>&1 | tee "$WORK/logs/kind-$kind-$launch-$cache.log"
-                [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-                cat "$run/train_summary.json" 2>/dev/null | tee -a "$WORK/logs/train_summaries.log"
-            done
+        for cache in false true; do
+            if (( SECONDS >= deadline )); then echo "$kind ($name, cache $cache): skipped, past ${KINDS_S} s"; status=1; continue; fi
+            run="$WORK/runs/$kind-$name-cache-$cache"
+            timeout -s INT $((deadline - SECONDS)) "$@" -m draftsmith.cli distill --config tiny "output_dir=$run" \
+                "draft.kind=$kind" "teacher.dtype=$dtype" "${opts[@]}" optim.mixed_precision=bf16 optim.max_steps=4 \
+                save.steps=4 log.steps=2 "teacher.cache=$cache" >"$WORK/logs/kind-$kind-$name-$cache.log" 2>&1
+            code=$?
+            echo "$kind ($name, teacher cache $cache): exit $code, $(tail -c 300 "$run/train_summary.json" 2>/dev/null | tr -d '\n ' || echo 'no train_summary.json')"
+            [[ $code == 0 ]] || { status=1; tail -5 "$WORK/logs/kind-$kind-$name-$cache.log"; }
+            cat "$run/train_summary.json" >>"$WORK/logs/train_summaries.log" 2>/dev/null
         done
     done
+}
+
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+if (( gpus >= 2 )); then
+    echo "== every kind for a few bfloat16 steps on 2 GPUs, DDP and FSDP, live and from the feature store"
+    for launch in ddp fsdp; do
+        train_kinds "$launch" "$PYTHON" -m accelerate.commands.launch --config_file "configs/accelerate/$launch.yaml" --num_processes 2
+    done
 else
-    echo "fewer than 2 GPUs: skipped"
+    echo "== every kind for a few bfloat16 steps on 1 GPU, live and from the feature store (limit ${KINDS_S} s; DDP/FSDP need 2 GPUs)"
+    train_kinds 1gpu "$PYTHON"
 fi
 
 echo "== the feature store built by vLLM (extract_hidden_states) beside the bundled target's"
@@ -109,7 +124,8 @@ else
 fi
 
 if [[ -n ${OUT:-} ]]; then
-    cp "$WORK"/logs/*.txt "$WORK"/logs/*.log "$OUT"/ 2>/dev/null
+    cp "$WORK"/logs/versions.txt "$WORK"/logs/tests.log "$WORK"/logs/real_shapes.log "$WORK"/logs/train_summaries.log "$OUT"/ 2>/dev/null
+    tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
     cp benchmarks/results/real_shapes_cuda.json "$OUT"/ 2>/dev/null
 fi
 echo "== GPU check $([[ $status == 0 ]] && echo passed || echo FAILED); $(head -1 "$WORK/logs/versions.txt")"
