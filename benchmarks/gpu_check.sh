@@ -18,6 +18,7 @@ cd "$REPO" || exit 2
 PYTHON=${PYTHON:-python3}
 TESTS_S=${TESTS_S:-220}            # time limit of the test suite
 BENCHMARKS_S=${BENCHMARKS_S:-150}  # time limit of the benchmarks
+REAL_SHAPES_MODES=${REAL_SHAPES_MODES:-eager,compiled}
 KINDS_S=${KINDS_S:-100}            # time limit of the kinds' training runs (one GPU; 2 GPUs take longer)
 
 # transformers is the one package whose API the checkout needs newer than the GPU image has (5.17):
@@ -74,7 +75,7 @@ DRAFTSMITH_TEST_DEVICES=cuda timeout -s INT "$TESTS_S" "$PYTHON" -m pytest -q -m
 
 echo "== decoder on random-weight models of real shapes, bfloat16, eager vs compiled (limit ${BENCHMARKS_S} s)"
 timeout -s INT "$BENCHMARKS_S" "$PYTHON" benchmarks/real_shapes.py --device cuda --dtype bfloat16 \
-    --budget-s $((BENCHMARKS_S / 2)) 2>&1 | tee "$WORK/logs/real_shapes.log"
+    --budget-s $((BENCHMARKS_S / 2)) --modes "$REAL_SHAPES_MODES" 2>&1 | tee "$WORK/logs/real_shapes.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 
 # Each kind for a few bfloat16 steps with a live teacher, then again from the feature store the first

@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--modes", default="eager,compiled", help="eager, compiled or both, comma-separated")
     parser.add_argument("--budget-s", type=float, default=None, help="skip shapes that start after this many seconds")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -112,7 +113,7 @@ def main() -> None:
             torch.randint(3, vocab, (args.prompt_tokens,), generator=generator).tolist() for _ in range(args.prompts)
         ]
         for draft_name, draft in (("2-layer", truncate_target(target, 2)), ("self", target)):
-            for mode in ("eager", "compiled"):
+            for mode in args.modes.split(","):
                 row = measure(
                     target,
                     draft,

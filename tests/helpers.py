@@ -42,7 +42,7 @@ def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaFor
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+            p.add_(torch.randn(p.shape, generator=gen).to(p.device) * noise * p.std())
     return draft
 
 
