@@ -10,6 +10,7 @@
 # with; with $OUT set, its logs and results are copied there.
 #
 #   bash benchmarks/gpu_check.sh --fetch-wheels   # where pip reaches PyPI: the wheels to carry, into .whl/
+#                                                 # (transformers, datasets, gguf)
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine, with .whl/ carried along
 set -uo pipefail
 
@@ -33,7 +34,12 @@ EOF
 
 if [[ ${1:-} == --fetch-wheels ]]; then
     version=$(required_transformers) || exit 2
-    "$PYTHON" -m pip download --no-deps --only-binary=:all: -d .whl "transformers==$version" || exit 2
+    # datasets (and what it needs beyond a PyTorch image) and gguf at the versions installed here, for
+    # the GPU image's Python (WHEEL_PYTHON, 3.12 by default): without them their tests cannot run there.
+    extra=$("$PYTHON" -c "import importlib.metadata as m
+print(' '.join(f'{n}=={m.version(n)}' for n in ('datasets', 'dill', 'multiprocess', 'gguf')))") || exit 2
+    "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version "${WHEEL_PYTHON:-3.12}" -d .whl \
+        "transformers==$version" $extra || exit 2
     echo "wheels in $REPO/.whl: carry that folder to the GPU machine and run bash benchmarks/gpu_check.sh there"
     exit 0
 fi

@@ -245,11 +245,19 @@ def open_dataset(folder: Path, settings: BuildSettings, group: ProcessGroup, eng
         repair(folder)
         convert_legacy(folder)
         name_shards(folder, manifest["id"])
-        manifest["draftsmith_version"] = importlib.metadata.version("draftsmith")
+        manifest["draftsmith_version"] = draftsmith_version()
         write_text(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         write_card(folder, manifest)
     group.barrier()
     return read_manifest(folder)  # the main process's, with the dataset's id
+
+
+def draftsmith_version() -> str:
+    """The installed draftsmith's version, or a note that it runs from a checkout that is not installed."""
+    try:
+        return importlib.metadata.version("draftsmith")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed (run from a checkout)"
 
 
 def token_bar(desc: str, enabled: bool) -> tuple[Callable[[Progress], None] | None, Callable[[], None]]:

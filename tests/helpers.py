@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.specdec.decoder import speculative_generate
 from draftsmith.specdec.options import DecodeOptions
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a test's child process: the checkout's root put before any PYTHONPATH already set
+    (a checkout run without installing puts draftsmith there), plus ``extra``."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
+    return os.environ | {"PYTHONPATH": path, **extra}
 
 
 def tiny_llama(

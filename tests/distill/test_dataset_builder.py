@@ -1,5 +1,6 @@
 """Dataset building: shards, resume without duplicates or loss, appending, refused setting changes."""
 
+import importlib.metadata
 import json
 
 import pytest
@@ -174,6 +175,21 @@ def test_the_engine_is_a_setting_and_datasets_that_name_none_were_made_by_the_bu
     build(tmp_path / "d", model, tokenizer, records(3))
     assert sorted(rows_by_key(tmp_path / "d")) == [("p0", 0), ("p1", 0), ("p2", 0)]
     assert json.loads(path.read_text())["settings"] == settings().to_dict()
+
+
+def test_a_checkout_run_without_installing_builds_and_says_so_in_the_manifest(tmp_path, model, tokenizer, monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: {"draftsmith": "9.9.9"}[name])
+    build(tmp_path / "d", model, tokenizer, records(2))
+    assert json.loads((tmp_path / "d" / "manifest.json").read_text())["draftsmith_version"] == "9.9.9"
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    build(tmp_path / "d", model, tokenizer, records(3))
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["draftsmith_version"] == "not installed (run from a checkout)"
+    assert sorted(rows_by_key(tmp_path / "d")) == [("p0", 0), ("p1", 0), ("p2", 0)]
 
 
 def test_a_folder_that_is_not_a_dataset_is_refused(tmp_path, model, tokenizer):

@@ -11,7 +11,7 @@ import torch
 
 from draftsmith.cli import main
 from draftsmith.distill.dataset_builder import load_built, read_self_prompts, read_shard, shard_paths
-from tests.helpers import save_tiny_pair
+from tests.helpers import child_env, save_tiny_pair
 
 ROOT = Path(__file__).parents[2]
 # Runs the command, but SIGKILLs itself right after its Nth answer shard is saved: a hard kill
@@ -91,7 +91,7 @@ def keys_and_answers(folder) -> dict:
 
 def test_killed_build_resumes_without_duplicates_or_loss(target, tmp_path):
     killed, whole = tmp_path / "killed", tmp_path / "whole"
-    env = os.environ | {"KILL_AFTER_SHARDS": "2", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env(KILL_AFTER_SHARDS="2", OMP_NUM_THREADS="1")
     args = self_args(target, killed, 18, "--samples-per-prompt", "2")
     result = subprocess.run(
         [sys.executable, "-c", KILLED_RUN, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300

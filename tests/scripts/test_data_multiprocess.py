@@ -1,14 +1,13 @@
 """``draftsmith data`` in two CPU processes (gloo, under torchrun): disjoint shares, one manifest."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from draftsmith.cli import main
 from draftsmith.distill.dataset_builder import load_built, read_self_prompts, read_shard, shard_paths
-from tests.helpers import save_tiny_pair
+from tests.helpers import child_env, save_tiny_pair
 
 ROOT = Path(__file__).parents[2]
 
@@ -39,7 +38,7 @@ def test_two_processes_write_disjoint_shards_and_one_process_extends_them(tmp_pa
         "--output",
         str(out),
     ]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         "-m",

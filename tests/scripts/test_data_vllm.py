@@ -6,7 +6,6 @@ where ``make vllm`` has not installed the engine.
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.specdec.vllm_server import HOST, ServeOptions, hidden_states_plan, serve, server_arguments
+from tests.helpers import child_env
 from tests.scripts.test_data_cli import KILLED_RUN
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
@@ -154,7 +154,7 @@ def self_args(server, output, num_prompts) -> list[str]:
 
 def test_self_prompted_build_killed_midway_resumes_and_appends_without_duplicates(server, tmp_path):
     out = tmp_path / "d"
-    env = os.environ | {"KILL_AFTER_SHARDS": "2", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env(KILL_AFTER_SHARDS="2", OMP_NUM_THREADS="1")
     killed = subprocess.run(
         [sys.executable, "-c", KILLED_RUN, *self_args(server, out, 6)],
         cwd=ROOT,

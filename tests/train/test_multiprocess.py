@@ -2,7 +2,6 @@
 batch, for the standalone LM and for every registered kind, with the live teacher and from the feature store."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 from draftsmith.distill.drafts import KINDS
 from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
+from tests.helpers import child_env
 
 ROOT = Path(__file__).parents[2]
 COMMON = ["optim.max_steps=4", "save.steps=4", "log.steps=2", "optim.grad_accum=1"]
@@ -29,7 +29,7 @@ def launch_two_ranks(logs: Path, runs: list[dict]) -> None:
     plan.write_text(json.dumps(runs))
     for run in runs:
         Path(run["out"]).mkdir(parents=True)
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         "-m",
