@@ -228,6 +228,11 @@ class Teacher:
         # .to(): a target spread with teacher.device_map computes on its last device
         return TeacherRows(log_probs.to(s.device), out.layers), out
 
+    @property
+    def runs_target(self) -> bool:
+        """Whether a training step runs the target (a live teacher), rather than reading a store."""
+        return True
+
     def epoch_end(self, accelerator: Accelerator) -> None:
         """Called before each epoch after the first (a filling teacher turns to its store)."""
 
@@ -237,6 +242,7 @@ class StoreTeacher(Teacher):
     (``example["index"]`` is a batch row's place among them); the target is not run."""
 
     source = "store"
+    runs_target = False
 
     def __init__(
         self,
@@ -282,6 +288,10 @@ class FillingTeacher(Teacher):
         self.reading: StoreTeacher | None = None
         for i, example in enumerate(examples):
             example["index"] = i
+
+    @property
+    def runs_target(self) -> bool:
+        return self.reading is None
 
     def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
         if self.reading is not None:

@@ -120,26 +120,27 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
     """
     run = setup(cfg)
     steps_per_epoch = max(1, len(run.loader) // cfg.optim.grad_accum)
-    step_seconds: list[float] = []  # this process's steps, for a budget's plan
+    pacer = Pacer()
     while run.step < run.cfg.optim.max_steps and run.step != stop_at_step:
         epoch, done_in_epoch = divmod(run.step, steps_per_epoch)
         # The same data order as an uninterrupted run: reseed the sampler per epoch, skip what was done.
         run.loader.set_epoch(epoch)
         if epoch > 0:  # a store filled by the first epoch is complete: read it from here on
+            live = run.teacher.runs_target
             run.teacher.epoch_end(run.accelerator)
+            if live and not run.teacher.runs_target:
+                pacer.switch_step = run.step
         skipped = done_in_epoch * cfg.optim.grad_accum
         batches = iter(run.accelerator.skip_first_batches(run.loader, skipped) if skipped else run.loader)
         for _ in range(done_in_epoch, steps_per_epoch):
             micro = [next(batches) for _ in range(cfg.optim.grad_accum)]
             began = time.perf_counter()
             loss, tokens = train_step(run, micro)
-            step_seconds.append(time.perf_counter() - began)
-            run.train_seconds += step_seconds[-1]
+            seconds = time.perf_counter() - began
+            run.train_seconds += seconds
             run.trained_tokens += tokens
-            if cfg.optim.max_minutes is not None and run.plan is None:
-                plan = budget.timed_plan(cfg, run.step, step_seconds)
-                if plan is not None:
-                    follow_plan(run, plan, record=True)
+            if cfg.optim.max_minutes is not None:
+                plan_budget(run, cfg, pacer, seconds)
             on_step_end(run, loss, tokens)
             if run.step >= run.cfg.optim.max_steps or run.step == stop_at_step:
                 break
@@ -230,6 +231,35 @@ def setup(cfg: DistillConfig) -> Run:
     return run
 
 
+@dataclass
+class Pacer:
+    """This process's step times for a budget's plan: before the teacher turned to its store (or all
+    of them, when it never did) and after (from ``switch_step``)."""
+
+    live: list[float] = dataclasses.field(default_factory=list)
+    store: list[float] = dataclasses.field(default_factory=list)
+    switch_step: int | None = None
+
+
+def plan_budget(run: Run, cfg: DistillConfig, pacer: Pacer, seconds: float) -> None:
+    """Plan a budget's steps once the first steps are timed, and again once the steps after a filled
+    store took over the teacher are (``budget.store_plan``); every process plans from the slowest pace."""
+    (pacer.live if pacer.switch_step is None else pacer.store).append(seconds)
+    plan = run.plan
+    if plan is not None and (plan.store_step_seconds is not None or pacer.switch_step is None):
+        return  # planned, and nothing changed since (or planned again already)
+
+    def slowest(pace: float) -> float:
+        return float(run.accelerator.reduce(torch.tensor(pace, device=run.accelerator.device), "max"))
+
+    if pacer.switch_step is None:
+        new = budget.timed_plan(cfg, run.step, pacer.live, slowest)
+    else:
+        new = budget.store_plan(cfg, plan, run.step, pacer.switch_step, pacer.live, pacer.store, slowest)
+    if new is not None:
+        follow_plan(run, new, record=True)
+
+
 def follow_plan(run: Run, plan: budget.Plan, record: bool) -> None:
     """Train the steps a budget's ``plan`` fits: the run's optim.max_steps, checkpoint and log intervals
     become the plan's, and the learning-rate schedule decays to its last step from here on
@@ -242,16 +272,22 @@ def follow_plan(run: Run, plan: budget.Plan, record: bool) -> None:
     run.scheduler.scheduler = scheduler  # inside accelerate's wrapper, which checkpoints save
     if record and run.accelerator.is_main_process:
         budget.save_plan(run.run_dir, plan)
+        if plan.store_step_seconds is None:
+            pace = f"{plan.step_seconds:.2f} s a step"
+        else:
+            pace = (
+                f"{plan.step_seconds:.2f} s a step to step {plan.switch_step}, then {plan.store_step_seconds:.2f} "
+                "s reading the teacher's store"
+            )
         print0(
             run.accelerator,
-            f"budget {plan.minutes:g} min at {plan.step_seconds:.2f} s a step: {plan.max_steps} steps "
-            f"(checkpoints every {plan.save_steps})",
+            f"budget {plan.minutes:g} min at {pace}: {plan.max_steps} steps (checkpoints every {plan.save_steps})",
         )
 
 
 def show_minutes(run: Run) -> None:
-    """A budget's progress bar: training minutes so far (steps at the plan's pace once it is made)."""
-    minutes = run.step * run.plan.step_seconds / 60 if run.plan is not None else run.train_seconds / 60
+    """A budget's progress bar: training minutes so far (steps at the plan's paces once it is made)."""
+    minutes = run.plan.minutes_at(run.step) if run.plan is not None else run.train_seconds / 60
     run.bar.n = min(minutes, run.cfg.optim.max_minutes)
     run.bar.refresh()
 

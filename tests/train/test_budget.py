@@ -27,6 +27,23 @@ def test_a_plan_fits_the_budget_within_max_steps():
     assert budget.timed_plan(cfg, 6, [9.0, 1.0, 1.0, 1.0, 1.0, 1.0]).step_seconds == 1.0
 
 
+def test_a_store_that_takes_over_gets_the_minutes_left_at_its_own_pace():
+    # 2 minutes: 40 live steps at 1.5 s take 1 minute, the other minute fits 120 steps at 0.5 s
+    plan = budget.make_plan(2, 1.5, 45, 900, 4, 10, switch_step=40, store_step_seconds=0.5)
+    assert (plan.max_steps, plan.save_steps) == (160, 40)
+    assert (plan.minutes_at(40), plan.minutes_at(100), plan.minutes_at(160)) == pytest.approx((1.0, 1.5, 2.0))
+    assert budget.make_plan(2, 1.5, 95, 900, 4, 10, switch_step=90, store_step_seconds=0.5).max_steps == 96  # spent
+    cfg = load_config(DistillConfig, TINY, ["optim.max_minutes=2", "optim.max_steps=900"])
+    live = budget.make_plan(2, 1.5, 6, 900, 3, 10)
+    store = [9.0, 0.5, 0.5, 0.5, 0.5]
+    assert budget.store_plan(cfg, live, 45, 40, [], store) is None  # PLAN_AFTER steps after the first
+    assert budget.store_plan(cfg, live, 46, 40, [], [*store, 0.5]).max_steps == 160
+    # No plan before the switch (a short first epoch): its live steps' mean is the live pace.
+    assert budget.store_plan(cfg, None, 46, 40, [1.5] * 40, [*store, 0.5]).max_steps == 160
+    # Every process plans with the pace they agree on (the loop passes the slowest).
+    assert budget.store_plan(cfg, live, 46, 40, [], [*store, 0.5], agree=lambda pace: 1.0).max_steps == 100
+
+
 class StepClock:
     """``time.perf_counter`` on which a training step takes ``step`` seconds and anything else a microsecond."""
 
@@ -84,3 +101,31 @@ def test_a_resumed_budget_run_keeps_its_plan_and_its_losses(tmp_path, half_secon
     )
     assert [r["step"] for r in cut] == list(range(1, 25))
     assert [r["loss"] for r in cut] == pytest.approx([r["loss"] for r in whole], rel=1e-5)
+
+
+def test_a_budget_plans_again_when_the_store_filled_by_the_first_epoch_takes_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # no store another test filled
+    clock = StepClock(0.0)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    train_step, seen = loop.train_step, []
+
+    def timed_step(run, micro):  # a step with the live target takes 0.499 s, one reading the store 0.099 s
+        clock.now += 0.499 if run.teacher.runs_target else 0.099
+        seen.append(run.teacher.runs_target)
+        return train_step(run, micro)
+
+    monkeypatch.setattr(loop, "train_step", timed_step)
+    items = ["optim.max_steps=200", "optim.max_minutes=0.2", "log.steps=4", "teacher.cache=true"]
+    items += ["teacher.cache_fill=first_epoch", "teacher.top_k=16"]
+    cfg = load_config(DistillConfig, TINY, [f"output_dir={tmp_path / 'run'}", *items])
+    result = train(cfg)
+    # 48 examples in batches of 8: the first epoch's 6 steps run the target, planned 24 steps at 0.499 s;
+    # 6 steps reading the store later: 12 s - 6 x 0.499 s leaves 90 steps at 0.099 s, 96 in all.
+    assert seen[:6] == [True] * 6 and not any(seen[6:])
+    plan = json.loads((tmp_path / "run" / budget.PLAN).read_text())
+    assert (plan["max_steps"], plan["switch_step"]) == (96, 6)
+    assert (plan["step_seconds"], plan["store_step_seconds"]) == pytest.approx((0.499, 0.099), abs=1e-4)
+    assert result.step == 96
+    assert budget.Plan(**plan).minutes_at(96) == pytest.approx(0.1984, abs=1e-3)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 96 and records[-1]["lr"] == pytest.approx(0.0, abs=1e-9)
