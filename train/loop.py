@@ -120,7 +120,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
     """
     run = setup(cfg)
     steps_per_epoch = max(1, len(run.loader) // cfg.optim.grad_accum)
-    pacer = Pacer()
+    times = StepTimes()
     while run.step < run.cfg.optim.max_steps and run.step != stop_at_step:
         epoch, done_in_epoch = divmod(run.step, steps_per_epoch)
         # The same data order as an uninterrupted run: reseed the sampler per epoch, skip what was done.
@@ -129,7 +129,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
             live = run.teacher.runs_target
             run.teacher.epoch_end(run.accelerator)
             if live and not run.teacher.runs_target:
-                pacer.switch_step = run.step
+                times.switch_step = run.step
         skipped = done_in_epoch * cfg.optim.grad_accum
         batches = iter(run.accelerator.skip_first_batches(run.loader, skipped) if skipped else run.loader)
         for _ in range(done_in_epoch, steps_per_epoch):
@@ -140,7 +140,7 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
             run.train_seconds += seconds
             run.trained_tokens += tokens
             if cfg.optim.max_minutes is not None:
-                plan_budget(run, cfg, pacer, seconds)
+                plan_budget(run, cfg, times, seconds)
             on_step_end(run, loss, tokens)
             if run.step >= run.cfg.optim.max_steps or run.step == stop_at_step:
                 break
@@ -232,7 +232,7 @@ def setup(cfg: DistillConfig) -> Run:
 
 
 @dataclass
-class Pacer:
+class StepTimes:
     """This process's step times for a budget's plan: before the teacher turned to its store (or all
     of them, when it never did) and after (from ``switch_step``)."""
 
@@ -241,21 +241,21 @@ class Pacer:
     switch_step: int | None = None
 
 
-def plan_budget(run: Run, cfg: DistillConfig, pacer: Pacer, seconds: float) -> None:
+def plan_budget(run: Run, cfg: DistillConfig, times: StepTimes, seconds: float) -> None:
     """Plan a budget's steps once the first steps are timed, and again once the steps after a filled
     store took over the teacher are (``budget.store_plan``); every process plans from the slowest pace."""
-    (pacer.live if pacer.switch_step is None else pacer.store).append(seconds)
+    (times.live if times.switch_step is None else times.store).append(seconds)
     plan = run.plan
-    if plan is not None and (plan.store_step_seconds is not None or pacer.switch_step is None):
+    if plan is not None and (plan.store_step_seconds is not None or times.switch_step is None):
         return  # planned, and nothing changed since (or planned again already)
 
     def slowest(pace: float) -> float:
         return float(run.accelerator.reduce(torch.tensor(pace, device=run.accelerator.device), "max"))
 
-    if pacer.switch_step is None:
-        new = budget.timed_plan(cfg, run.step, pacer.live, slowest)
+    if times.switch_step is None:
+        new = budget.timed_plan(cfg, run.step, times.live, slowest)
     else:
-        new = budget.store_plan(cfg, plan, run.step, pacer.switch_step, pacer.live, pacer.store, slowest)
+        new = budget.store_plan(cfg, plan, run.step, times.switch_step, times.live, times.store, slowest)
     if new is not None:
         follow_plan(run, new, record=True)
 
