@@ -2,9 +2,9 @@
 # The GPU check: on a machine with an NVIDIA GPU and no network, run the test suite with the decoder
 # tests on CUDA (eager and compiled), then the decoder on random-weight models of real shapes, eager vs
 # compiled (benchmarks/real_shapes.py), then every kind for a few bfloat16 training steps, live and
-# from the feature store (one process on one GPU; DDP and FSDP on two). It runs from the checkout without installing it: draftsmith is
-# put together from symbolic links as pyproject.toml maps it (scripts/ is draftsmith, specdec/ is
-# draftsmith.specdec, ...), and wheels in .whl/ (a transformers the image is too old for) are
+# from the feature store (one process on one GPU; DDP and FSDP on two). It runs from the checkout
+# without installing it: draftsmith is put together from symbolic links as pyproject.toml maps it
+# (scripts/ is draftsmith, specdec/ is draftsmith.specdec, ...), and wheels in .whl/ (a transformers the image is too old for) are
 # installed into a temporary folder. Tests that need datasets or gguf are skipped where those are
 # missing. It ends within 8 minutes (each part has its own time limit) and says which versions it ran
 # with; with $OUT set, its logs and results are copied there.

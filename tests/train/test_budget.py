@@ -45,28 +45,36 @@ def test_a_store_that_takes_over_gets_the_minutes_left_at_its_own_pace():
 
 
 class StepClock:
-    """``time.perf_counter`` on which a training step takes ``step`` seconds and anything else a microsecond."""
+    """``time.perf_counter`` on which a training step takes ``step`` seconds (``store_step`` once the
+    teacher reads its store, when given) and anything else a microsecond; ``live``: whether each
+    step ran the target."""
 
-    def __init__(self, step: float):
-        self.now, self.step = 1000.0, step
+    def __init__(self, step: float, store_step: float | None = None):
+        self.now, self.step, self.store_step, self.live = 1000.0, step, store_step, []
 
     def __call__(self) -> float:
         self.now += 1e-6
         return self.now
 
 
-@pytest.fixture
-def half_second_steps(monkeypatch):
-    clock = StepClock(0.499)  # a hair under half a second: 12 s / 0.499 s = 24.05 steps fit
+def timed_steps(monkeypatch, clock: StepClock) -> StepClock:
+    """Training steps that take ``clock``'s seconds."""
     monkeypatch.setattr(time, "perf_counter", clock)
     train_step = loop.train_step
 
     def timed_step(run, micro):
-        clock.now += clock.step
+        clock.live.append(run.teacher.runs_target)
+        live = run.teacher.runs_target or clock.store_step is None
+        clock.now += clock.step if live else clock.store_step
         return train_step(run, micro)
 
     monkeypatch.setattr(loop, "train_step", timed_step)
     return clock
+
+
+@pytest.fixture
+def half_second_steps(monkeypatch):
+    return timed_steps(monkeypatch, StepClock(0.499))  # a hair under half a second: 12 s / 0.499 s = 24.05 steps fit
 
 
 def budget_run(out: Path, stop_at_step: int | None = None):
@@ -105,23 +113,15 @@ def test_a_resumed_budget_run_keeps_its_plan_and_its_losses(tmp_path, half_secon
 
 def test_a_budget_plans_again_when_the_store_filled_by_the_first_epoch_takes_over(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # no store another test filled
-    clock = StepClock(0.0)
-    monkeypatch.setattr(time, "perf_counter", clock)
-    train_step, seen = loop.train_step, []
-
-    def timed_step(run, micro):  # a step with the live target takes 0.499 s, one reading the store 0.099 s
-        clock.now += 0.499 if run.teacher.runs_target else 0.099
-        seen.append(run.teacher.runs_target)
-        return train_step(run, micro)
-
-    monkeypatch.setattr(loop, "train_step", timed_step)
+    # a step with the live target takes 0.499 s, one reading the store 0.099 s
+    clock = timed_steps(monkeypatch, StepClock(0.499, store_step=0.099))
     items = ["optim.max_steps=200", "optim.max_minutes=0.2", "log.steps=4", "teacher.cache=true"]
     items += ["teacher.cache_fill=first_epoch", "teacher.top_k=16"]
     cfg = load_config(DistillConfig, TINY, [f"output_dir={tmp_path / 'run'}", *items])
     result = train(cfg)
     # 48 examples in batches of 8: the first epoch's 6 steps run the target, planned 24 steps at 0.499 s;
     # 6 steps reading the store later: 12 s - 6 x 0.499 s leaves 90 steps at 0.099 s, 96 in all.
-    assert seen[:6] == [True] * 6 and not any(seen[6:])
+    assert clock.live[:6] == [True] * 6 and not any(clock.live[6:])
     plan = json.loads((tmp_path / "run" / budget.PLAN).read_text())
     assert (plan["max_steps"], plan["switch_step"]) == (96, 6)
     assert (plan["step_seconds"], plan["store_step_seconds"]) == pytest.approx((0.499, 0.099), abs=1e-4)
