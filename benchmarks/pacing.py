@@ -1,0 +1,186 @@
+"""Pacing on real drafts: how often the decoder pauses a sequence that drafting would have paid for,
+and what that costs, replayed exactly from greedy agreement traces, then timed side by side.
+
+Greedy decoding is deterministic, so where a chain of gamma proposals stops is known in advance: the
+draft's greedy token at output position i, given the target's own output before it, either equals
+the target's token there or not. One teacher-forced draft forward over each prompt and the target's
+greedy answer gives that agreement at every position. A round that starts at position i with g
+proposals accepts the run of agreements from i (at most g) and emits one token more; a paused round
+emits one. Replaying the decoder's own ``Pacer`` over those traces with a cost model (a plain step 1,
+a drafting round c * g + v, c and v as eval-run measures them) gives, in seconds of CPU, what each
+pacing rule would do on those prompts: rounds paused, tokens per unit time, and the speedup the cost
+model predicts. It is a model (it leaves out the decoder's per-round bookkeeping), so the part that
+counts is the timed one:
+
+``--time``: for each prompt and repeat, the target alone, the decoder unpaced and the decoder paced,
+interleaved (each prompt runs the three back to back, in a rotating order), greedy output checked
+against the target's. Per category and overall: the measured speedup of each, unpaced and paced.
+
+    .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 3
+
+Written to ``benchmarks/results/pacing.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from common import PROMPTS, default_target, machine, save
+from kind_runs import decoding_draft
+
+from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.loading import cpu_has_native_bfloat16
+from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.pacing import Pacer
+from draftsmith.specdec.prompts import encode_chat, read_prompts
+
+
+# The pacer's defaults, and other settings replayed beside them.
+VARIANTS = {
+    "pacer": {},
+    "no prior, decay 0.7, probe 8": {"prior": (0.0, 0.0), "decay": 0.7, "probe_every": 8},
+    "prior, decay 0.7": {"decay": 0.7},
+    "prior, no decay": {"decay": 1.0},
+    "prior (1, 1), probe 16": {"prior": (1.0, 1.0), "probe_every": 16},
+    "probe 16": {"probe_every": 16},
+}
+
+
+def agreement(target, draft, prompt: list[int], answer: list[int]) -> list[bool]:
+    """Whether the draft's greedy token at each answer position equals the target's, given the
+    target's answer before it (one teacher-forced forward of the draft)."""
+    ids = torch.tensor([prompt + answer[:-1]], device=target.device)
+    with torch.inference_mode():
+        logits = draft(input_ids=ids).logits[0, len(prompt) - 1 :]
+    return (logits.argmax(-1) == torch.tensor(answer, device=target.device)).tolist()
+
+
+def replay(agrees: list[bool], gamma: int, c: float, v: float, pacer: Pacer | None) -> dict:
+    """One sequence decoded by the chain rounds the ``pacer`` (None: never paused) chooses, under the
+    cost model: tokens, model time, rounds and paused rounds."""
+    n, pos, spent, rounds, paused = len(agrees), 0, 0.0, 0, 0
+    while pos < n:
+        go = pacer.drafts([0])[0] if pacer is not None else True
+        g = min(gamma, n - pos - 1) if go else 0
+        rounds += 1
+        if g == 0:
+            paused += go is False
+            spent += 1.0
+            if pacer is not None:
+                pacer.record([0], torch.tensor([0]), torch.tensor([0]), 0.0, 1.0)
+            pos += 1
+            continue
+        kept = 0
+        while kept < g and agrees[pos + kept]:
+            kept += 1
+        spent += c * g + v
+        if pacer is not None:
+            pacer.record([0], torch.tensor([g]), torch.tensor([kept]), c * g, v)
+        pos += kept + 1
+    return {"tokens": n, "time": spent, "rounds": rounds, "paused": paused}
+
+
+def replay_all(traces: dict[str, list[list[bool]]], gamma: int, c: float, v: float, make_pacer) -> dict:
+    """Per category: the model's speedup (target time = tokens) and the share of rounds paused."""
+    out = {}
+    for category, sequences in traces.items():
+        runs = [replay(a, gamma, c, v, make_pacer()) for a in sequences]
+        tokens, spent = sum(r["tokens"] for r in runs), sum(r["time"] for r in runs)
+        out[category] = {
+            "speedup": round(tokens / spent, 4),
+            "paused_share": round(sum(r["paused"] for r in runs) / sum(r["rounds"] for r in runs), 3),
+        }
+    return out
+
+
+def timed(target, draft, prompts, categories, eos, args) -> dict:
+    """Target alone, unpaced and paced decoding, interleaved per prompt and repeat (rotating order)."""
+    times = defaultdict(lambda: defaultdict(list))
+    tokens = defaultdict(int)
+    identical = True
+    options = {
+        "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
+        "paced": DecodeOptions(gamma=args.gamma, pace=True),
+    }
+    order = ["target", "unpaced", "paced"]
+    for repeat in range(args.repeats):
+        for index, (prompt, category) in enumerate(zip(prompts, categories, strict=True)):
+            shift = (repeat + index) % len(order)
+            expected = None
+            for name in order[shift:] + order[:shift]:
+                start = time.perf_counter()
+                if name == "target":
+                    out, _ = target_generate(target, [prompt], args.max_new_tokens, eos_ids=eos)
+                else:
+                    out, _ = speculative_generate(target, draft, [prompt], args.max_new_tokens, options[name], eos)
+                times[category][name].append(time.perf_counter() - start)
+                times["all"][name].append(times[category][name][-1])
+                if expected is not None and out != expected:
+                    identical = False
+                expected = out
+            if repeat == 0:
+                tokens[category] += len(expected[0])
+    result = {}
+    for category, by_name in times.items():
+        base = sum(by_name["target"])
+        result[category] = {name: round(base / sum(by_name[name]), 4) for name in ("unpaced", "paced")}
+    return {"speedup": result, "greedy_match": identical}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--draft", required=True, help="a trained draft folder (a kind that decodes as an LM)")
+    p.add_argument("--gamma", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--c", type=float, default=0.12, help="draft step / target step, for the replay")
+    p.add_argument("--v", type=float, default=1.0, help="verification / target step, for the replay")
+    p.add_argument("--save-traces", default=None, help="write the agreement traces to this JSON file")
+    p.add_argument("--time", action="store_true", help="also time target, unpaced and paced side by side")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+
+    dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
+    target, tokenizer, eos = default_target(dtype=dtype)
+    draft = decoding_draft(Path(args.draft), target, eos)
+    rows = read_prompts(PROMPTS)
+    prompts = [encode_chat(tokenizer, row.turns[0]) for row in rows]
+    categories = [row.category or "all" for row in rows]
+
+    traces = defaultdict(list)
+    for prompt, category in zip(prompts, categories, strict=True):
+        answer = target_generate(target, [prompt], args.max_new_tokens, eos_ids=eos)[0][0]
+        traces[category].append(agreement(target, draft, prompt, answer))
+    traces["all"] = [t for category in list(traces) for t in traces[category]]
+    if args.save_traces:
+        Path(args.save_traces).write_text(json.dumps(traces))
+    alpha = {k: round(statistics.fmean(x for t in v for x in t), 3) for k, v in traces.items()}
+    print("greedy agreement per position:", alpha)
+
+    replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None)}
+    for name, settings in VARIANTS.items():
+        replayed[name] = replay_all(traces, args.gamma, args.c, args.v, lambda s=settings: Pacer(args.gamma, 1, **s))
+    for name, rows_ in replayed.items():
+        print(f"{name:>14}: " + "  ".join(f"{k} {r['speedup']:.3f} ({r['paused_share']:.2f})" for k, r in rows_.items()))
+    result = {
+        "draft": args.draft,
+        "gamma": args.gamma,
+        "dtype": str(dtype).removeprefix("torch."),
+        "cost_model": {"c": args.c, "v": args.v},
+        "agreement": alpha,
+        "replayed": replayed,
+    }
+    if args.time:
+        result["timed"] = timed(target, draft, prompts, categories, eos, args)
+        print("timed:", result["timed"])
+    print(machine()["cpu"])
+    save("pacing", result)
+
+
+if __name__ == "__main__":
+    main()
