@@ -40,7 +40,6 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 
-
 # The pacer's defaults, and other settings replayed beside them.
 VARIANTS = {
     "pacer": {},
@@ -165,8 +164,9 @@ def main() -> None:
     replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None)}
     for name, settings in VARIANTS.items():
         replayed[name] = replay_all(traces, args.gamma, args.c, args.v, lambda s=settings: Pacer(args.gamma, 1, **s))
-    for name, rows_ in replayed.items():
-        print(f"{name:>14}: " + "  ".join(f"{k} {r['speedup']:.3f} ({r['paused_share']:.2f})" for k, r in rows_.items()))
+    for name, by_category in replayed.items():
+        cells = (f"{k} {r['speedup']:.3f} ({r['paused_share']:.2f})" for k, r in by_category.items())
+        print(f"{name:>14}: " + "  ".join(cells))
     result = {
         "draft": args.draft,
         "gamma": args.gamma,
