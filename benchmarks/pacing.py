@@ -40,7 +40,8 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 
-# The pacer's defaults, and other settings replayed beside them.
+# The pacer's defaults, and other settings replayed beside them (the second is the rule the pacer had
+# before its prior, less the 3 warm-up rounds it also had).
 VARIANTS = {
     "pacer": {},
     "no prior, decay 0.7, probe 8": {"prior": (0.0, 0.0), "decay": 0.7, "probe_every": 8},
@@ -101,7 +102,6 @@ def replay_all(traces: dict[str, list[list[bool]]], gamma: int, c: float, v: flo
 def timed(target, draft, prompts, categories, eos, args) -> dict:
     """Target alone, unpaced and paced decoding, interleaved per prompt and repeat (rotating order)."""
     times = defaultdict(lambda: defaultdict(list))
-    tokens = defaultdict(int)
     identical = True
     options = {
         "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
@@ -123,8 +123,6 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
                 if expected is not None and out != expected:
                     identical = False
                 expected = out
-            if repeat == 0:
-                tokens[category] += len(expected[0])
     result = {}
     for category, by_name in times.items():
         base = sum(by_name["target"])
