@@ -21,6 +21,10 @@ benchmark trained there for the same budget of minutes each (a run that reached 
 ``benchmarks/drafter_kinds.py --out DIR`` (the truncated LM and the parallel config) or
 ``benchmarks/kind_curves.py --out DIR`` (``smollm2-135m.yaml`` and the parallel config, each at its
 largest budget; the figures of the training come from ``benchmarks/results/kind_curves.json``).
+With ``--runs ORDINARY,PARALLEL`` the latest checkpoints of two ``draftsmith distill`` runs are
+measured (an LM and a parallel draft trained on the same data, e.g. each shipped config to its
+``max_steps``); the figures of their training come from each run's ``train_summary.json`` and
+``metrics.jsonl``.
 
 Run (2 x MINUTES of training, then about 30 minutes of measuring on 2 cores):
     .venv/bin/python benchmarks/parallel_drafting.py --minutes 30
@@ -195,6 +199,32 @@ def trained_elsewhere(out: Path, parser) -> tuple[dict, dict]:
     return trained, folders
 
 
+def distill_runs(spec: str, parser) -> tuple[dict, dict]:
+    """``--runs ORDINARY,PARALLEL``: two distill run folders, their latest checkpoints and the figures of
+    their training (steps and step seconds from ``train_summary.json``, the last held-out alpha from
+    ``metrics.jsonl``)."""
+    runs = [Path(part) for part in spec.split(",")]
+    if len(runs) != 2:
+        parser.error(f"--runs takes two run folders, ORDINARY,PARALLEL; got {spec!r}")
+    trained, folders = {}, {}
+    for name, run in zip(("ordinary", "parallel"), runs, strict=True):
+        summary, metrics = run / "train_summary.json", run / "metrics.jsonl"
+        if not summary.is_file() or not metrics.is_file():
+            parser.error(f"{run}: no train_summary.json or metrics.jsonl; is it a finished draftsmith distill run?")
+        done = json.loads(summary.read_text())
+        heldout = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        heldout = [m for m in heldout if "loss" not in m and "acceptance_rate" in m]
+        folders[name] = checkpoint.checkpoint_dirs(run)[-1][1]
+        trained[name] = {
+            "from": str(folders[name]),
+            "steps": done["step"],
+            "train_s": done["steps"] / done["steps_per_s"] if done["steps_per_s"] else 0.0,
+            "heldout_alpha": heldout[-1]["acceptance_rate"] if heldout else None,
+            "teacher": done["teacher"],
+        }
+    return trained, folders
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0, help="training minutes per draft")
@@ -209,6 +239,7 @@ def main() -> None:
     parser.add_argument(
         "--drafts", type=Path, help="measure the drafts benchmarks/drafter_kinds.py or kind_curves.py trained there"
     )
+    parser.add_argument("--runs", help="ORDINARY,PARALLEL: measure the latest checkpoints of two distill runs")
     args = parser.parse_args()
     overrides = ["optim.max_steps=1000000", "save.steps=1000000", "log.steps=1000000", "save.keep_last=1"]
     config, parallel = CONFIGS / "smollm2-135m-parallel.yaml", []
@@ -223,6 +254,9 @@ def main() -> None:
     if args.drafts is not None:
         out = args.drafts
         trained, folders = trained_elsewhere(out, parser)
+    elif args.runs is not None:
+        trained, folders = distill_runs(args.runs, parser)
+        out = folders["parallel"].parent
     else:
         for name, kind in (("ordinary", ORDINARY), ("parallel", parallel)):
             cfg = load_config(DistillConfig, str(config), [*overrides, *kind, f"output_dir={out / name}"])
@@ -234,7 +268,8 @@ def main() -> None:
     for name in trained:
         print(f"{name}: {trained[name]['steps']} steps in {trained[name]['train_s'] / 60:.1f} min")
     parallel_cfg = load_config(DistillConfig, str(config), [*overrides, *parallel, f"output_dir={out / 'parallel'}"])
-    minutes = trained["parallel"]["train_s"] / 60 if args.drafts else args.minutes
+    measured_elsewhere = args.drafts is not None or args.runs is not None
+    minutes = trained["parallel"]["train_s"] / 60 if measured_elsewhere else args.minutes
     result = {"trained": trained, "minutes": minutes, "smoke": args.smoke, "dtypes": {}}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)

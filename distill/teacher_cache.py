@@ -528,6 +528,14 @@ def topk_log_probs(
     return out.scatter_(1, indices.long(), top - log_norm)
 
 
+def rows_teacher_argmax(entries: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """The target's most probable token at the loss rows of a batch whose rows are ``entries`` (M,):
+    the stored top-k entry of highest log-prob (the store's top-k is over the full vocabulary)."""
+    indices = torch.cat([e[0] for e in entries])  # (M, k)
+    best = torch.cat([e[1] for e in entries]).float().argmax(-1, keepdim=True)  # (M, 1)
+    return indices.gather(1, best)[:, 0].long().to(device)
+
+
 def rows_teacher_log_probs(
     entries: list[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,

@@ -170,6 +170,16 @@ def head_log_probs(
     return torch.cat(parts) if parts else hidden.new_zeros(0, len(ids), dtype=torch.float32)
 
 
+def head_argmax(target: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The target head's most probable token over its full vocabulary at each row: hidden (M, H) ->
+    (M,) ids, a chunk of rows at a time (no (M, V) tensor)."""
+    weight = plain_head(target).weight  # (V, H)
+    chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    hidden = hidden.to(weight.device, weight.dtype)
+    best = [F.linear(part, weight).argmax(-1) for part in hidden.split(chunk)]
+    return torch.cat(best) if best else torch.zeros(0, dtype=torch.long, device=weight.device)
+
+
 def teacher_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """The target's log-probs at ``temperature`` on the tokens ``ids``: (B, T, V) logits -> (B, T, N).
 

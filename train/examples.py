@@ -25,6 +25,7 @@ class TeacherRows:
 
     log_probs: torch.Tensor  # (M, V), or (M, N) on a cut head's tokens: log p at the loss temperature
     hidden: dict[int, torch.Tensor] | None = None  # the target's hidden states (B, T, H) of layers asked for
+    argmax: torch.Tensor | None = None  # (M,) the target's most probable token at the rows, when asked for
 
 
 def build_examples(
@@ -196,13 +197,15 @@ class TeacherSettings:
     """What the teacher gives at the loss rows: over ``head_ids`` (N,) or the full vocabulary (None), at
     ``temperature``, normalized over the full vocabulary or not (forward KL with a cut head renormalizes
     over the kept tokens); ``layers``: the target layers whose entering hidden states (B, T, H) the
-    draft's kind reads; ``device``: where the trainer wants them."""
+    draft's kind reads; ``device``: where the trainer wants them; ``argmax``: also the target's most
+    probable token at each row (its whole vocabulary), for a kind that masks rows by it."""
 
     head_ids: torch.Tensor | None
     temperature: float
     full_normalizer: bool
     layers: tuple[int, ...]
     device: torch.device
+    argmax: bool = False
 
 
 class Teacher:
@@ -225,8 +228,9 @@ class Teacher:
         s = self.settings
         out = vocab_cut.target_rows(self.target, batch, rows, s.layers)  # hidden (M, H)
         log_probs = vocab_cut.head_log_probs(self.target, out.hidden, s.head_ids, s.temperature, s.full_normalizer)
+        argmax = vocab_cut.head_argmax(self.target, out.hidden).to(s.device) if s.argmax else None
         # .to(): a target spread with teacher.device_map computes on its last device
-        return TeacherRows(log_probs.to(s.device), out.layers), out
+        return TeacherRows(log_probs.to(s.device), out.layers, argmax), out
 
     @property
     def runs_target(self) -> bool:
@@ -263,14 +267,14 @@ class StoreTeacher(Teacher):
     def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
         s, index = self.settings, batch["index"].tolist()
         vocab = self.target.config.vocab_size
-        log_probs = teacher_cache.rows_teacher_log_probs(
-            [self.entries[i] for i in index], rows.device, vocab, s.head_ids, s.temperature
-        )
+        entries = [self.entries[i] for i in index]
+        log_probs = teacher_cache.rows_teacher_log_probs(entries, rows.device, vocab, s.head_ids, s.temperature)
+        argmax = teacher_cache.rows_teacher_argmax(entries, rows.device) if s.argmax else None
         if not s.layers:
-            return TeacherRows(log_probs)
+            return TeacherRows(log_probs, None, argmax)
         width = batch["input_ids"].shape[1]
         hidden = self.reader.hidden([self.digests[i] for i in index], s.layers, width, self.target.dtype, rows.device)
-        return TeacherRows(log_probs, hidden)
+        return TeacherRows(log_probs, hidden, argmax)
 
 
 class FillingTeacher(Teacher):
@@ -366,6 +370,7 @@ def teacher(
     accelerator: Accelerator,
     head_ids: torch.Tensor | None = None,
     layers: tuple[int, ...] = (),
+    argmax: bool = False,
 ) -> Teacher:
     """The teacher at a batch's loss rows: the target's forward, or the feature store.
 
@@ -377,10 +382,11 @@ def teacher(
     vocabulary; for forward KL with a cut head the live target's are the kept logits at temperature
     (forward KL renormalizes over the kept tokens, so their full normalizer is never computed).
     layers: target layers whose entering hidden states (B, T, H) the draft's kind reads, from the same
-    forward or from the store. Under N processes each builds its share of the store's shards."""
+    forward or from the store. argmax: also the target's most probable token at the rows (from the
+    store's top-k entries when read from one). Under N processes each builds its share of the store's shards."""
     train_examples, heldout = examples
     settings = TeacherSettings(
-        head_ids, cfg.loss.temperature, cfg.loss.name != "forward_kl", layers, accelerator.device
+        head_ids, cfg.loss.temperature, cfg.loss.name != "forward_kl", layers, accelerator.device, argmax
     )
     if not cfg.teacher.cache:
         return Teacher(target, settings)

@@ -177,8 +177,10 @@ def setup(cfg: DistillConfig) -> Run:
     describe(accelerator, draft, target, len(train_examples), head_ids)
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    layers = kind_named(cfg.draft.kind).teacher_layers(draft)
-    teacher_logits = teacher(cfg, target, (train_examples, heldout_examples), pad, accelerator, head_ids, layers)
+    kind = kind_named(cfg.draft.kind)
+    layers, argmax = kind.teacher_layers(draft), kind.teacher_argmax(draft)
+    examples = (train_examples, heldout_examples)
+    teacher_logits = teacher(cfg, target, examples, pad, accelerator, head_ids, layers, argmax)
     loader, heldout = loaders(cfg, train_examples, heldout_examples, pad)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
@@ -448,6 +450,7 @@ def draft_predictions(draft, batch: dict, rows: torch.Tensor, teacher: TeacherRo
         head.ids,
         teacher.hidden or {},
         teacher.log_probs,
+        teacher.argmax,
     )
     return head.kind.training_forward(draft, head.model, kind_batch)
 

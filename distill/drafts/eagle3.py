@@ -26,18 +26,22 @@ a cut the head covers the whole vocabulary. A saved head stores its rows in asce
 full-vocabulary head stores neither (vLLM then has no mapping to load them into).
 
 **Training-time test** (``EagleHead.forward``, ``EagleKind.training_forward``). The target's
-features come from the teacher's own forward (``teacher_layers``), nothing is stored on disk. The
-head is unrolled ``ttt_steps`` steps (default 3, as speculators; SpecForge uses 7): step 0 reads the
-target's features, step j > 0 the head's own layer output of step j-1 at the same place, with the
-ground-truth tokens shifted by j and positions advanced by j, as both stacks do. Step j's query at
-index t attends to step 0's keys at indices <= t (the causal prefix, the rows built from the
-target's features) and to its own keys of steps 1..j at index t (the diagonal): what drafting token
-j+1 after position t sees. Step j's prediction at loss row t is compared with the teacher's
-distribution at loss row t+j of the same sequence (the target given the true tokens in between:
-what verification computes when the drafts were accepted), weighted ``step_decay``^j (0.8, as
-SpecForge). With a cut vocabulary, predictions whose teacher argmax lies outside it get weight 0, as
-SpecForge masks them; the count is written into every checkpoint (``eagle3_training.json``: loss
-rows seen by this process's training steps and how many were masked). Held-out alpha reads step 0.
+features (``teacher_layers``) come from the teacher: its forward at each step, or the feature store
+(``teacher.cache``), which holds them with the top-k log-probs. The head is unrolled ``ttt_steps``
+steps (default 3, as speculators; SpecForge uses 7): step 0 reads the target's features, step j > 0
+the head's own layer output of step j-1 at the same place, with the ground-truth tokens shifted by j
+and positions advanced by j, as both stacks do. Step j's query at index t attends to step 0's keys
+at indices <= t (the causal prefix, the rows built from the target's features) and to its own keys
+of steps 1..j at index t (the diagonal): what drafting token j+1 after position t sees. Steps j > 0
+run only from the batch's first scored index on: their queries see no other index's keys of steps >
+0, so the prompt rows would change no prediction. Step j's prediction at loss row t is compared with
+the teacher's distribution at loss row t+j of the same sequence (the target given the true tokens in
+between: what verification computes when the drafts were accepted), weighted ``step_decay``^j (0.8,
+as SpecForge). With a cut vocabulary, predictions whose teacher argmax lies outside it get weight 0,
+as SpecForge masks them (the teacher gives the argmax, ``teacher_argmax``: a store its top entry, so
+no head over the target's vocabulary runs per step); the count is written into every checkpoint
+(``eagle3_training.json``: loss rows seen by this process's training steps and how many were
+masked). Held-out alpha reads step 0.
 
 **Decoding** (``EagleDrafter``). The verifier returns the target's states entering the aux layers at
 every row it computed (``TargetVerifier(feature_layers=...)``); after acceptance the fused features
@@ -145,18 +149,21 @@ def first_layer(layer_class: type[nn.Module], config) -> nn.Module:
     return layer
 
 
-def ttt_mask(key_ok: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """Step ``step``'s additive attention mask (B, 1, T, (step+1) T) over the keys of steps 0..step.
+def ttt_mask(key_ok: torch.Tensor, step: int, dtype: torch.dtype, start: int = 0) -> torch.Tensor:
+    """Step ``step``'s additive attention mask (B, 1, Q, T + step Q) over the keys of steps 0..step.
 
     key_ok (B, T): step 0's keys that exist (real tokens after the first, which pairs no feature).
-    Query t sees step 0's keys at t' <= t and its own keys of steps 1..step at t (the diagonal):
-    what drafting step ``step`` after position t sees (Li et al. 2025). Every query also sees its own
-    step-0 key, so no row is empty (such rows are padding, never scored)."""
+    Step 0 has a query at every index (Q = T); a later step only at the indices from ``start`` on
+    (Q = T - start), as have its keys. Query t sees step 0's keys at t' <= t and its own keys of
+    steps 1..step at t (the diagonal): what drafting step ``step`` after position t sees (Li et al.
+    2025). Every query also sees its own step-0 key, so no row is empty (such rows are padding, never scored)."""
     batch, length = key_ok.shape
     index = torch.arange(length, device=key_ok.device)
-    same = index[None, :] == index[:, None]  # (T, T)
-    first = ((index[None, :] <= index[:, None])[None] & key_ok[:, None, :]) | same[None]  # (B, T, T)
-    allowed = torch.cat([first, *[same[None].expand(batch, -1, -1)] * step], -1)  # (B, T, (step+1) T)
+    queries = index[start:] if step else index  # (Q,)
+    first = (index[None, :] <= queries[:, None])[None] & key_ok[:, None, :]  # (B, Q, T)
+    first |= (index[None, :] == queries[:, None])[None]
+    own = torch.eye(len(queries), dtype=torch.bool, device=key_ok.device)[None].expand(batch, -1, -1)  # (B, Q, Q)
+    allowed = torch.cat([first, *[own] * step], -1)  # (B, Q, T + step Q)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=key_ok.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
@@ -195,8 +202,7 @@ class EagleHead(DraftModel):
         self.use_vocabulary(None)
         self.ttt_steps, self.step_decay = DEFAULTS["ttt_steps"], DEFAULTS["step_decay"]
         self.own_embeddings = False  # embedding and head trained (saved), else the target's (frozen, not saved)
-        self.target_layers = target.config.num_hidden_layers
-        self.verifier_head: torch.Tensor | None = None  # (V, H) the target's head, to mask out-of-vocabulary rows
+        self.masks_outside_vocab = False  # rows whose target argmax lies outside the vocabulary weigh 0
         self.out_of_vocab = {"loss_rows": 0, "masked": 0}  # counted by training forwards
 
     @classmethod
@@ -253,7 +259,11 @@ class EagleHead(DraftModel):
 
         input_ids, attention_mask (B, T); features (B, T, 3H): the target's states entering the aux
         layers; anchors[j] (R_j,): flat indices into (B, T) where step j's prediction is scored.
-        Returns logits over the draft vocabulary (sum_j R_j, N), step 0's first."""
+        Returns logits over the draft vocabulary (sum_j R_j, N), step 0's first.
+
+        Step 0 runs at every index (its keys are every later step's causal prefix); a later step's
+        queries see only their own index's keys of steps >= 1, so steps >= 1 run from the first index
+        any of them scores on (the answers' start: no prompt rows), which changes no prediction."""
         batch, length = input_ids.shape
         fused = self.fc(features.to(self.dtype))  # (B, T, H)
         hidden = F.pad(fused, (0, 0, 1, 0))[:, :-1]  # index t holds g_{t-1}: the row that pairs it with x_t
@@ -261,23 +271,27 @@ class EagleHead(DraftModel):
         key_ok[:, 0] = False  # x_0 follows no feature: no row of the head's sequence
         cache, logits = DynamicCache(), []
         index = torch.arange(length, device=input_ids.device)
+        later = torch.cat(anchors[1:]) if len(anchors) > 1 else index[:0]
+        start = int((later % length).min()) if len(later) else 0
         for step, rows in enumerate(anchors):
-            tokens = F.pad(input_ids[:, step:], (0, step))  # x_{t+step}: ground-truth tokens, as both stacks
-            positions = (index + step - 1).clamp(min=0).expand(batch, -1)  # row t-1, advanced one per step
-            mask = ttt_mask(key_ok, step, hidden.dtype)
+            first = start if step else 0
+            if step == 1:
+                hidden = hidden[:, start:]
+            tokens = F.pad(input_ids[:, step:], (0, step))[:, first:]  # x_{t+step}: ground truth, as both stacks
+            positions = (index[first:] + step - 1).clamp(min=0).expand(batch, -1)  # row t-1, one further per step
+            mask = ttt_mask(key_ok, step, hidden.dtype, first)
             hidden = self.layer_forward(tokens, hidden, positions, mask, cache)  # the next step's features
-            logits.append(self.draft_logits(hidden.flatten(0, 1).index_select(0, rows)))
+            width = length - first
+            flat = rows // length * width + rows % length - first  # (R_j,) into (B, width)
+            logits.append(self.draft_logits(hidden.flatten(0, 1).index_select(0, flat)))
         return torch.cat(logits)
 
-    def argmax_in_vocabulary(self, final: torch.Tensor) -> torch.Tensor:
-        """Whether the target's argmax at each row lies in the draft vocabulary: final (M, H), the
-        target's normed last hidden states -> (M,) bool (SpecForge masks the other rows)."""
+    def in_vocabulary(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whether each target token id (M,) lies in the draft vocabulary: (M,) bool (SpecForge masks
+        the rows whose target argmax does not)."""
         inside = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.device)
         inside[self.vocab] = True
-        chunk = max(1, vocab_cut.CHUNK_ELEMENTS // self.config.vocab_size)
-        weight = self.verifier_head
-        best = [F.linear(part.to(weight.dtype), weight).argmax(-1) for part in final.split(chunk)]
-        return inside[torch.cat(best)] if best else inside[:0]
+        return inside[ids.to(self.device)]
 
     # specdec.drafters.PairedDraft: the target's verifier returns the aux layers' states to the drafter.
     def decoding_pair(
@@ -662,14 +676,16 @@ class EagleKind(KindBase):
         head.requires_grad_(True)
         head.embed_tokens.requires_grad_(head.own_embeddings)
         head.lm_head.requires_grad_(head.own_embeddings)
-        if settings.train_draft_vocab:  # rows whose target argmax falls outside the cut are masked
-            weight = head.lm_head.weight.detach()
-            head.verifier_head = weight.clone() if head.own_embeddings else weight
+        head.masks_outside_vocab = bool(settings.train_draft_vocab)  # rows whose target argmax falls outside the cut
         return head.train()
 
     def teacher_layers(self, draft: EagleHead) -> tuple[int, ...]:
-        """The aux layers, and the target's normed output (``hidden_states[n]``) when rows are masked by its argmax."""
-        return draft.aux_layers + (() if draft.verifier_head is None else (draft.target_layers,))
+        """The aux layers."""
+        return draft.aux_layers
+
+    def teacher_argmax(self, draft: EagleHead) -> bool:
+        """With a cut vocabulary: rows whose target argmax lies outside it are masked."""
+        return draft.masks_outside_vocab
 
     def training_forward(self, draft: torch.nn.Module, model: EagleHead, batch: Batch) -> Predictions:
         """Training-time test at the loss rows (the module docstring); eval mode: step 0 only (held-out alpha)."""
@@ -683,9 +699,10 @@ class EagleKind(KindBase):
         weights = torch.cat(
             [torch.full((len(a),), model.step_decay**j, device=logits.device) for j, a in enumerate(plan.anchors)]
         )
-        if batch.head_ids is not None:
-            final = batch.teacher_hidden[model.target_layers].flatten(0, 1).index_select(0, batch.rows)  # (M, H)
-            inside = model.argmax_in_vocabulary(final)  # (M,)
+        if batch.head_ids is not None and model.masks_outside_vocab:
+            if batch.teacher_argmax is None:
+                raise DraftsmithError("a cut EAGLE-3 head reads the target's argmax at the loss rows (teacher_argmax)")
+            inside = model.in_vocabulary(batch.teacher_argmax)  # (M,)
             weights = weights * inside[teacher_rows]
             model.out_of_vocab["loss_rows"] += len(inside)
             model.out_of_vocab["masked"] += int((~inside).sum())

@@ -86,6 +86,9 @@ class Batch:
     same target forward that gives the teacher's distributions ({} when none were asked for).
     teacher_log_probs: (M, N or V) the teacher's log-probs at the loss rows as the loss reads them
     (``train.examples.TeacherRows``), for a kind that weights its predictions by them (None: not given).
+    teacher_argmax: (M,) the target's most probable token at each loss row, over its whole vocabulary,
+    for a kind whose ``teacher_argmax`` asks for it (None: not asked for); a store gives it from its
+    top-k entries, so reading it costs no head over the target's vocabulary.
     """
 
     input_ids: torch.Tensor
@@ -95,6 +98,7 @@ class Batch:
     head_ids: torch.Tensor | None = None
     teacher_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     teacher_log_probs: torch.Tensor | None = None
+    teacher_argmax: torch.Tensor | None = None
 
 
 @dataclass
@@ -153,6 +157,10 @@ class DraftKind(Protocol):
 
     def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
         """Target layers whose entering hidden states the training forward reads (() for none)."""
+        ...
+
+    def teacher_argmax(self, draft: torch.nn.Module) -> bool:
+        """Whether the training forward reads the target's argmax at the loss rows (``Batch.teacher_argmax``)."""
         ...
 
     def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
@@ -391,6 +399,9 @@ class KindBase:
 
     def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
         return ()
+
+    def teacher_argmax(self, draft: torch.nn.Module) -> bool:
+        return False
 
     def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
         """A causal-LM forward, the head run at the loss rows only (cut to ``batch.head_ids``)."""

@@ -47,6 +47,21 @@ def test_stored_states_are_the_targets_at_every_position_and_the_top_k_at_the_lo
     torch.testing.assert_close(logps, top.values, atol=2e-3, rtol=0)  # float16 storage
 
 
+def test_the_targets_argmax_at_the_loss_rows_is_read_from_the_top_k_in_any_column_order(target):
+    batch = collate([EXAMPLES[1], EXAMPLES[0]], pad_id=0)
+    rows = vocab_cut.loss_rows(batch["loss_mask"])
+    live = vocab_cut.target_rows(target, batch, rows)
+    argmax = vocab_cut.head_argmax(target, live.hidden)
+    assert torch.equal(argmax, target.lm_head(live.hidden).argmax(-1))
+    top = torch.log_softmax(target.lm_head(live.hidden).float(), -1).topk(4)
+    sorted_entries = [(top.indices[:5], top.values[:5]), (top.indices[5:], top.values[5:])]
+    assert torch.equal(teacher_cache.rows_teacher_argmax(sorted_entries, torch.device("cpu")), argmax)
+    order = torch.tensor([2, 0, 3, 1])  # an engine's entries need not come sorted
+    shuffled = [(ids[:, order], logps[:, order]) for ids, logps in sorted_entries]
+    assert torch.equal(teacher_cache.rows_teacher_argmax(shuffled, torch.device("cpu")), argmax)
+    assert len(set(argmax.tolist())) > 1  # not one token everywhere
+
+
 def test_bfloat16_storage_is_the_default_and_within_its_rounding(tmp_path, target):
     folder = teacher_cache.build(target, EXAMPLES, tmp_path / "bf16", top_k=2, progress=False, layers=(2,))
     assert json.loads((folder / "meta.json").read_text())["hidden_dtype"] == "bfloat16"

@@ -62,16 +62,15 @@ PROMPTS = [[0, 5, 9, 4], [0, 7], [0, 3, 3, 8, 2, 6, 11, 2]]
 
 def teacher_batch(target, ids: torch.Tensor, vocab: torch.Tensor | None) -> tuple[Batch, torch.Tensor]:
     """A training batch of every position after the first of ``ids`` (B, T), with the target's hidden
-    states, and the target's log-probs at its loss rows (M, N or V), normalized over all V."""
+    states and its argmax at the loss rows, and the target's log-probs there (M, N or V), normalized over all V."""
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     loss_mask[:, 0] = False
     rows = vocab_cut.loss_rows(loss_mask)
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
     log_probs = out.logits.flatten(0, 1)[rows].log_softmax(-1)
-    layers = (*AUX, target.config.num_hidden_layers)
-    hidden = {i: out.hidden_states[i] for i in layers}
-    batch = Batch(ids, torch.ones_like(ids), loss_mask, rows, vocab, hidden)
+    hidden = {i: out.hidden_states[i] for i in AUX}
+    batch = Batch(ids, torch.ones_like(ids), loss_mask, rows, vocab, hidden, teacher_argmax=log_probs.argmax(-1))
     return batch, log_probs if vocab is None else log_probs[:, vocab]
 
 
@@ -147,6 +146,52 @@ def test_ttt_mask_lets_step_j_see_the_causal_prefix_and_its_own_diagonal():
     # Steps 1 and 2: the diagonal only.
     assert torch.equal(mask[:, 4:8], torch.eye(4, dtype=torch.bool))
     assert torch.equal(mask[:, 8:], torch.eye(4, dtype=torch.bool))
+    # A later step from index 2 on: queries 2 and 3, step 0's keys all there, the steps' own from 2 on.
+    later = ttt_mask(key_ok, 2, torch.float32, start=2)[0, 0] == 0
+    assert later.shape == (2, 4 + 2 * 2)
+    assert torch.equal(later[:, :4], mask[2:, :4])
+    assert torch.equal(later[:, 4:6], torch.eye(2, dtype=torch.bool))
+    assert torch.equal(later[:, 6:], torch.eye(2, dtype=torch.bool))
+    assert torch.equal(ttt_mask(key_ok, 0, torch.float32, start=2), ttt_mask(key_ok, 0, torch.float32))
+
+
+def test_later_steps_skip_the_prompt_rows_and_predict_what_they_predicted_over_every_row(target):
+    """Steps >= 1 run from the first answer row of the batch on: with prompts of 5 and 8 tokens and
+    right padding, every step's predictions equal those of a batch whose loss rows start at index 1
+    (steps >= 1 then run over every row), taken at the same anchors."""
+    head = fitted_head(target, steps=5)
+    head.train()
+    head.ttt_steps = 3
+    ids = torch.randint(2, 32, (2, 16), generator=torch.Generator().manual_seed(4))
+    attention = torch.ones_like(ids)
+    attention[0, 13:] = 0
+    answers = torch.zeros_like(ids, dtype=torch.bool)
+    answers[0, 5:12] = True
+    answers[1, 8:15] = True
+    with torch.no_grad():
+        out = target(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+    hidden = {i: out.hidden_states[i] for i in AUX}
+    everywhere = attention.bool().clone()
+    everywhere[:, 0] = False
+    everywhere[:, -1] = False
+
+    short_rows = vocab_cut.loss_rows(answers)
+    with torch.no_grad():
+        short = KIND.training_forward(head, head, Batch(ids, attention, answers, short_rows, None, hidden))
+        full_rows = vocab_cut.loss_rows(everywhere)
+        full = KIND.training_forward(head, head, Batch(ids, attention, everywhere, full_rows, None, hidden))
+    short_plan, full_plan = unroll(short_rows, 16, 3), unroll(full_rows, 16, 3)
+    offset_short = offset_full = 0
+    for step in range(3):
+        short_anchors, full_anchors = short_plan.anchors[step], full_plan.anchors[step]
+        assert len(short_anchors) > 0
+        where = torch.searchsorted(full_anchors, short_anchors)
+        assert torch.equal(full_anchors[where], short_anchors)
+        got = short.logits[offset_short : offset_short + len(short_anchors)]
+        want = full.logits[offset_full + where]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        offset_short += len(short_anchors)
+        offset_full += len(full_anchors)
 
 
 # ---- exact decoding -----------------------------------------------------------------------------
@@ -555,7 +600,8 @@ def memorized_head(model, prompts: list[list[int]], answers: list[list[int]], st
         out = model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
     teacher = out.logits.flatten(0, 1)[rows][:, vocab].float()  # forward KL renormalizes over the vocabulary
     hidden = {i: out.hidden_states[i] for i in KIND.teacher_layers(head)}
-    batch = Batch(ids, attention, loss_mask, rows, vocab, hidden)
+    argmax = out.logits.flatten(0, 1)[rows].argmax(-1)
+    batch = Batch(ids, attention, loss_mask, rows, vocab, hidden, teacher_argmax=argmax)
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-3)
     for _ in range(steps):
         predicted = KIND.training_forward(head, head, batch)
