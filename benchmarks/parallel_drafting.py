@@ -201,8 +201,8 @@ def trained_elsewhere(out: Path, parser) -> tuple[dict, dict]:
 
 def distill_runs(spec: str, parser) -> tuple[dict, dict]:
     """``--runs ORDINARY,PARALLEL``: two distill run folders, their latest checkpoints and the figures of
-    their training (steps and step seconds from ``train_summary.json``, the last held-out alpha from
-    ``metrics.jsonl``)."""
+    their training (steps and step seconds from ``train_summary.json``, the last held-out alpha logged
+    in ``metrics.jsonl``)."""
     runs = [Path(part) for part in spec.split(",")]
     if len(runs) != 2:
         parser.error(f"--runs takes two run folders, ORDINARY,PARALLEL; got {spec!r}")
@@ -212,8 +212,8 @@ def distill_runs(spec: str, parser) -> tuple[dict, dict]:
         if not summary.is_file() or not metrics.is_file():
             parser.error(f"{run}: no train_summary.json or metrics.jsonl; is it a finished draftsmith distill run?")
         done = json.loads(summary.read_text())
-        heldout = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        heldout = [m for m in heldout if "loss" not in m and "acceptance_rate" in m]
+        logged = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        heldout = [m for m in logged if "acceptance_rate" in m]  # held-out alpha, logged every log.steps
         folders[name] = checkpoint.checkpoint_dirs(run)[-1][1]
         trained[name] = {
             "from": str(folders[name]),
