@@ -422,19 +422,23 @@ class EagleDrafter:
         generator: torch.Generator | None,
     ) -> Proposal:
         """Up to ``budget[b]`` tokens per sequence, one head forward per token (``draft_chain``; the first
-        also builds the pending rows); sequences that stop early feed padding, so the batch stays dense."""
-        first, hidden = self._read_pending(sequences)  # (B, V), (B, 1, H)
-        built = torch.tensor(self.stream.lengths, device=budget.device)  # rows from the target's features
+        also builds the pending rows); sequences that stop early feed padding, so the batch stays dense.
+        A round where no sequence drafts (all paused) runs no forward: the pending rows wait, and the
+        next proposal builds them all in its first forward."""
+        hidden, built = None, None
 
         def next_logits(token: torch.Tensor | None, active: torch.Tensor) -> torch.Tensor:
-            nonlocal hidden
+            nonlocal hidden, built
             if token is None:
+                first, hidden = self._read_pending(sequences)  # (B, V), (B, 1, H)
+                built = torch.tensor(self.stream.lengths, device=budget.device)  # rows from the target's features
                 return first
             logits, hidden = self._forward(token[:, None], active[:, None], hidden, logits_to_keep=1)
             return logits[:, -1]
 
         proposal = draft_chain(next_logits, budget, options, generator)
-        self.stream.rollback(built)  # rows built on the head's own features leave the cache
+        if built is not None:
+            self.stream.rollback(built)  # rows built on the head's own features leave the cache
         return proposal
 
     def rollback(self, keep: torch.Tensor) -> None:

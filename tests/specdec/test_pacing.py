@@ -143,6 +143,34 @@ def test_every_kind_stays_greedy_identical_through_paused_rounds(target, monkeyp
             assert stats.paused > 0, name
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "parallel"])
+def test_a_round_where_every_sequence_is_paused_runs_no_draft_forward(target, monkeypatch, kind):
+    # Paused from the third round on (the pacer still probes now and then): the drafter keeps what the
+    # verifier gives it and runs nothing until it drafts again (an EAGLE-3 head builds the waiting
+    # rows in that proposal's first forward), so its layers run as often per drafting round as when
+    # it is never paused. (A DFlash drafter projects each round's committed rows into its context
+    # cache as they come, a few one-row projections; an LM reads its prompt before the first round.)
+    draft = every_kind(target)[kind]
+    layers = [m for m in draft.modules() if isinstance(m, torch.nn.Linear)]
+
+    def linear_calls_per_drafting_round(schedule) -> tuple[float, int]:
+        monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: next(schedule))
+        calls = []
+        hooks = [m.register_forward_pre_hook(lambda module, args: calls.append(1)) for m in layers]
+        try:
+            out, stats = decode(target, draft, [PROMPTS[2]], gamma=2, pace=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert out == target_generate(target, [PROMPTS[2]], 24)[0]
+        return len(calls) / (stats.rounds - stats.paused), stats.paused
+
+    paused_run, paused = linear_calls_per_drafting_round(itertools.chain([True, True], itertools.repeat(False)))
+    drafting_run, none = linear_calls_per_drafting_round(itertools.repeat(True))
+    assert paused >= 10 and none == 0
+    assert paused_run <= 1.25 * drafting_run
+
+
 def test_paused_sampling_is_distributed_as_the_target(target, monkeypatch):
     # Each sequence of the batch pauses at random rounds: ragged budgets, some rows verifying x_n alone.
     coin = random.Random(0)
