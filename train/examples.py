@@ -222,13 +222,14 @@ class Teacher:
     def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
         return self.live(batch, rows)[0]
 
-    def live(self, batch: dict, rows: torch.Tensor) -> tuple[TeacherRows, vocab_cut.TargetRows]:
-        """The target's forward over ``batch``: (the teacher at ``rows``, the decoder's output there)."""
+    def live(self, batch: dict, rows: torch.Tensor, argmax: bool = True) -> tuple[TeacherRows, vocab_cut.TargetRows]:
+        """The target's forward over ``batch``: (the teacher at ``rows``, the decoder's output there);
+        ``argmax`` False leaves the argmax out even when the settings ask for it (the caller has it)."""
         self.forwards += 1
         s = self.settings
         out = vocab_cut.target_rows(self.target, batch, rows, s.layers)  # hidden (M, H)
         log_probs = vocab_cut.head_log_probs(self.target, out.hidden, s.head_ids, s.temperature, s.full_normalizer)
-        argmax = vocab_cut.head_argmax(self.target, out.hidden).to(s.device) if s.argmax else None
+        argmax = vocab_cut.head_argmax(self.target, out.hidden).to(s.device) if s.argmax and argmax else None
         # .to(): a target spread with teacher.device_map computes on its last device
         return TeacherRows(log_probs.to(s.device), out.layers, argmax), out
 
@@ -300,8 +301,10 @@ class FillingTeacher(Teacher):
     def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
         if self.reading is not None:
             return self.reading(batch, rows)
-        teacher, out = self.live(batch, rows)
+        teacher, out = self.live(batch, rows, argmax=False)
         ids, logps = teacher_cache.head_top_k(self.target, out.hidden, self.cfg.teacher.top_k)  # (M, k)
+        if self.settings.argmax:  # the top-k's first entry, as the store will give it: no second full head
+            teacher.argmax = teacher_cache.rows_teacher_argmax([(ids, logps)], self.settings.device)
         counts = batch["loss_mask"].sum(1).tolist()
         lengths = batch["attention_mask"].sum(1).tolist()
         for row, i in enumerate(batch["index"].tolist()):
