@@ -14,6 +14,7 @@ Temperatures are applied to both sides' logits before the softmax.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -227,6 +228,60 @@ def row_losses(
     raise ValueError(f"unknown row loss {name!r}; choose one of forward_kl, reverse_kl, jsd, tvd")
 
 
+@dataclass
+class TopkTeacher:
+    """The teacher at M rows as a top-k store gives it, over a head's ``width`` columns (its full
+    vocabulary, or the N tokens of a cut head), without a dense (M, width) tensor.
+
+    columns (M, k): the column of each top-k token, ``width`` for a token the head has no column for;
+    log_probs (M, k): their log p at the loss temperature; log_other (M, 1): log p of each token outside
+    the top k (the rest of the mass spread evenly). Both normalized over the target's full vocabulary,
+    so ``dense()`` is exactly what a dense teacher would hold."""
+
+    columns: torch.Tensor
+    log_probs: torch.Tensor
+    log_other: torch.Tensor
+    width: int
+
+    def index_select(self, dim: int, rows: torch.Tensor) -> TopkTeacher:
+        """The teacher at rows ``rows`` (R,) (dim 0 only, as a tensor's ``index_select``)."""
+        if dim != 0:
+            raise ValueError("a top-k teacher is indexed by rows (dim 0)")
+        parts = (self.columns, self.log_probs, self.log_other)
+        return TopkTeacher(*(part.index_select(0, rows) for part in parts), self.width)
+
+    def dense(self) -> torch.Tensor:
+        """(M, width) log p on every column."""
+        out = self.log_other.expand(-1, self.width + 1).clone()  # the last column collects the tokens kept out
+        return out.scatter_(1, self.columns, self.log_probs)[:, : self.width]
+
+
+def topk_forward_kl(student_logits: torch.Tensor, teacher: TopkTeacher, temperature: float = 1.0) -> torch.Tensor:
+    """``row_losses``' forward KL against a top-k teacher: (M, n), TopkTeacher -> (M,), the same values
+    without building the teacher densely.
+
+    Over the n columns (renormalized, as ``row_losses`` does), p is p_i on the top-k tokens with a
+    column and one value u on each of the s other columns, so
+    ``KL = sum_i p_i log p_i + s u log u - sum_i p_i log q_i - u (sum_all log q - sum_i log q_i)``,
+    where ``sum_all log q = sum(z) / T - n logsumexp(z / T)``: the student's logits enter through a
+    logsumexp, a row sum and a gather of k columns (its gradient, ``(q - p) / T``, is formed once)."""
+    z = student_logits.float()
+    if temperature != 1:
+        z = z / temperature
+    width = teacher.width
+    inside = teacher.columns < width  # (M, k)
+    spread = (width - inside.sum(-1, keepdim=True)).float()  # (M, 1): columns outside the top k
+    top = teacher.log_probs.float().masked_fill(~inside, float("-inf"))
+    log_norm = torch.logsumexp(torch.cat([top, teacher.log_other.float() + spread.log()], -1), -1, keepdim=True)
+    log_p, log_u = top - log_norm, teacher.log_other.float() - log_norm  # (M, k), (M, 1): over the columns
+    p, u = log_p.exp(), log_u.exp()  # p is 0 at the tokens without a column
+    neg_entropy = (p * log_p.masked_fill(~inside, 0)).sum(-1) + (spread * u * log_u)[:, 0]
+    lse = torch.logsumexp(z, -1, keepdim=True)  # (M, 1)
+    log_q_top = (z.gather(1, teacher.columns.clamp(max=width - 1)) - lse) * inside  # (M, k)
+    log_q_rest = z.sum(-1, keepdim=True) - width * lse - log_q_top.sum(-1, keepdim=True)  # (M, 1)
+    return neg_entropy - (p * log_q_top).sum(-1) - (u * log_q_rest)[:, 0]
+
+
 def row_acceptance(student_logits: torch.Tensor, teacher_log_probs: torch.Tensor, temperature: float = 1.0):
     """``alpha = sum_x min(p(x), q(x))`` at the loss rows: (M, n), (M, n) -> (M,).
 
@@ -248,7 +303,7 @@ def rows_accepted_length(alpha: torch.Tensor, mask: torch.Tensor, rows: torch.Te
 def row_token_losses(
     name: str,
     student_logits: torch.Tensor,
-    teacher_log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor | TopkTeacher,
     mask: torch.Tensor,
     rows: torch.Tensor,
     temperature: float = 1.0,
@@ -257,7 +312,12 @@ def row_token_losses(
 ) -> torch.Tensor:
     """The named loss at the loss rows (M,): ``token_losses`` (full head) or ``subset_token_losses``
     (cut head) read at the rows ``rows`` (M,) = the flat indices of ``mask`` (B, T), from the heads'
-    values there: student logits (M, n) and teacher log-probs (M, n) (see ``row_losses``)."""
+    values there: student logits (M, n) and teacher log-probs (M, n) (see ``row_losses``), or a top-k
+    teacher (forward KL is then taken sparsely, the others on its dense form)."""
+    if isinstance(teacher_log_probs, TopkTeacher):
+        if name == "forward_kl":
+            return topk_forward_kl(student_logits, teacher_log_probs, temperature)
+        teacher_log_probs = teacher_log_probs.dense()
     if name == "accepted_length":
         alpha = row_acceptance(student_logits, teacher_log_probs, temperature)
         return rows_accepted_length(alpha, mask, rows, gamma)

@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 
 from draftsmith.distill import vocab_cut
 from draftsmith.distill.data import collate, length_buckets
-from draftsmith.distill.losses import densify_topk
+from draftsmith.distill.losses import TopkTeacher, densify_topk
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.loading import draftsmith_home
@@ -472,18 +472,7 @@ def subset_logprobs(
 
     The same values as ``log_softmax(densify_topk(indices, logprobs, V) / temperature)[:, ids]``,
     normalized over the full vocabulary, without building (M, V)."""
-    top_k = indices.shape[-1]
-    others = vocab_size - top_k
-    top = logprobs.float() / temperature  # (M, k)
-    rest = (1 - logprobs.float().exp().sum(-1, keepdim=True)).clamp(min=1e-9)  # (M, 1)
-    log_other = (rest / max(others, 1)).log() / temperature  # (M, 1): each token outside the top k
-    terms = [top, log_other + math.log(others)] if others else [top]
-    log_norm = torch.logsumexp(torch.cat(terms, dim=-1), dim=-1, keepdim=True)  # (M, 1)
-    column = torch.full((vocab_size,), len(ids), dtype=torch.long, device=ids.device)
-    column[ids] = torch.arange(len(ids), device=ids.device)  # token -> its column; N for tokens not kept
-    out = log_other.expand(-1, len(ids) + 1).clone()  # (M, N + 1): the last column collects the others
-    out.scatter_(1, column[indices.long()], top)
-    return out[:, : len(ids)] - log_norm
+    return topk_teacher(indices, logprobs, vocab_size, ids, temperature).dense()
 
 
 def subset_teacher_logprobs(
@@ -502,6 +491,30 @@ def subset_teacher_logprobs(
     return out
 
 
+def topk_teacher(
+    indices: torch.Tensor,
+    logprobs: torch.Tensor,
+    vocab_size: int,
+    ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> TopkTeacher:
+    """The distribution ``densify_topk`` makes of top-k entries (the top k kept, the rest spread
+    evenly) at ``temperature``, at the loss rows, on the columns of a head over ``ids`` (N,) or over
+    the full vocabulary (None): (M, k) ids and log-probs -> its sparse form, normalized over the full
+    vocabulary from the k values and the rest's share (no log-softmax over V)."""
+    others = vocab_size - indices.shape[-1]
+    top = logprobs.float() / temperature  # (M, k)
+    rest = (1 - logprobs.float().exp().sum(-1, keepdim=True)).clamp(min=1e-9)  # (M, 1)
+    log_other = (rest / max(others, 1)).log() / temperature  # (M, 1): each token outside the top k
+    terms = [top, log_other + math.log(others)] if others else [top]
+    log_norm = torch.logsumexp(torch.cat(terms, dim=-1), dim=-1, keepdim=True)  # (M, 1)
+    if ids is None:
+        return TopkTeacher(indices.long(), top - log_norm, log_other - log_norm, vocab_size)
+    column = torch.full((vocab_size,), len(ids), dtype=torch.long, device=ids.device)
+    column[ids] = torch.arange(len(ids), device=ids.device)  # token -> its column; N for tokens not kept
+    return TopkTeacher(column[indices.long()], top - log_norm, log_other - log_norm, len(ids))
+
+
 def topk_log_probs(
     indices: torch.Tensor,
     logprobs: torch.Tensor,
@@ -509,23 +522,10 @@ def topk_log_probs(
     ids: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Log-probs at ``temperature`` of the distribution ``densify_topk`` makes of top-k entries (the
-    top k kept, the rest spread evenly), at the loss rows: (M, k) ids and log-probs -> (M, N) on the
-    tokens ``ids``, or (M, V) for ``ids`` None.
-
-    The values of ``log_softmax(densify_topk(indices, logprobs, V) / temperature)`` (what the losses
-    took of the dense cache), normalized over the full vocabulary from the k values and the rest's
-    share (no log-softmax over V, nothing of size (B, T, V))."""
-    if ids is not None:
-        return subset_logprobs(indices, logprobs, ids, vocab_size, temperature)
-    others = vocab_size - indices.shape[-1]
-    top = logprobs.float() / temperature  # (M, k)
-    rest = (1 - logprobs.float().exp().sum(-1, keepdim=True)).clamp(min=1e-9)  # (M, 1)
-    log_other = (rest / max(others, 1)).log() / temperature  # (M, 1): each token outside the top k
-    terms = [top, log_other + math.log(others)] if others else [top]
-    log_norm = torch.logsumexp(torch.cat(terms, dim=-1), dim=-1, keepdim=True)  # (M, 1)
-    out = (log_other - log_norm).expand(-1, vocab_size).clone()  # (M, V)
-    return out.scatter_(1, indices.long(), top - log_norm)
+    """``topk_teacher`` densely: (M, N) on the tokens ``ids``, or (M, V) for ``ids`` None; the values of
+    ``log_softmax(densify_topk(indices, logprobs, V) / temperature)`` (what the losses took of the
+    dense cache), nothing of size (B, T, V)."""
+    return topk_teacher(indices, logprobs, vocab_size, ids, temperature).dense()
 
 
 def rows_teacher_argmax(entries: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
@@ -542,9 +542,12 @@ def rows_teacher_log_probs(
     vocab_size: int,
     ids: torch.Tensor | None = None,
     temperature: float = 1.0,
-) -> torch.Tensor:
+    sparse: bool = False,
+) -> torch.Tensor | TopkTeacher:
     """Teacher log-probs at the loss rows of a batch whose rows are ``entries`` (their loss positions in
-    order, which is the row-major order of the loss rows): (M, N) on ``ids``, or (M, V)."""
+    order, which is the row-major order of the loss rows): (M, N) on ``ids``, or (M, V); ``sparse``:
+    as a ``TopkTeacher`` (forward KL needs no dense teacher)."""
     indices = torch.cat([e[0] for e in entries]).to(device)  # (M, k)
     logprobs = torch.cat([e[1] for e in entries]).to(device)
-    return topk_log_probs(indices, logprobs, vocab_size, ids, temperature)
+    teacher = topk_teacher(indices, logprobs, vocab_size, ids, temperature)
+    return teacher if sparse else teacher.dense()

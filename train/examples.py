@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill import data as ddata
 from draftsmith.distill import dataset_builder, dataset_cache, teacher_cache, vocab_cut
+from draftsmith.distill.losses import TopkTeacher
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import draftsmith_home, eos_token_ids
 from draftsmith.specdec.sampling import SamplingParams
@@ -23,7 +24,7 @@ from draftsmith.train.config import DistillConfig
 class TeacherRows:
     """The teacher at a batch's M loss rows (the ``loss_mask`` positions in row-major order)."""
 
-    log_probs: torch.Tensor  # (M, V), or (M, N) on a cut head's tokens: log p at the loss temperature
+    log_probs: torch.Tensor | TopkTeacher  # (M, V), or (M, N) on a cut head's tokens: log p at the loss temperature
     hidden: dict[int, torch.Tensor] | None = None  # the target's hidden states (B, T, H) of layers asked for
     argmax: torch.Tensor | None = None  # (M,) the target's most probable token at the rows, when asked for
 
@@ -198,7 +199,8 @@ class TeacherSettings:
     ``temperature``, normalized over the full vocabulary or not (forward KL with a cut head renormalizes
     over the kept tokens); ``layers``: the target layers whose entering hidden states (B, T, H) the
     draft's kind reads; ``device``: where the trainer wants them; ``argmax``: also the target's most
-    probable token at each row (its whole vocabulary), for a kind that masks rows by it."""
+    probable token at each row (its whole vocabulary), for a kind that masks rows by it; ``sparse``: a
+    store's log-probs may stay a ``TopkTeacher`` (the loss is forward KL and the kind does not read them)."""
 
     head_ids: torch.Tensor | None
     temperature: float
@@ -206,6 +208,7 @@ class TeacherSettings:
     layers: tuple[int, ...]
     device: torch.device
     argmax: bool = False
+    sparse: bool = False
 
 
 class Teacher:
@@ -269,7 +272,9 @@ class StoreTeacher(Teacher):
         s, index = self.settings, batch["index"].tolist()
         vocab = self.target.config.vocab_size
         entries = [self.entries[i] for i in index]
-        log_probs = teacher_cache.rows_teacher_log_probs(entries, rows.device, vocab, s.head_ids, s.temperature)
+        log_probs = teacher_cache.rows_teacher_log_probs(
+            entries, rows.device, vocab, s.head_ids, s.temperature, s.sparse
+        )
         argmax = teacher_cache.rows_teacher_argmax(entries, rows.device) if s.argmax else None
         if not s.layers:
             return TeacherRows(log_probs, None, argmax)
@@ -374,6 +379,7 @@ def teacher(
     head_ids: torch.Tensor | None = None,
     layers: tuple[int, ...] = (),
     argmax: bool = False,
+    sparse: bool = False,
 ) -> Teacher:
     """The teacher at a batch's loss rows: the target's forward, or the feature store.
 
@@ -386,10 +392,13 @@ def teacher(
     (forward KL renormalizes over the kept tokens, so their full normalizer is never computed).
     layers: target layers whose entering hidden states (B, T, H) the draft's kind reads, from the same
     forward or from the store. argmax: also the target's most probable token at the rows (from the
-    store's top-k entries when read from one). Under N processes each builds its share of the store's shards."""
+    store's top-k entries when read from one). sparse: with forward KL, a store's log-probs stay top-k
+    entries (``losses.TopkTeacher``) for a kind that does not read them. Under N processes each builds
+    its share of the store's shards."""
     train_examples, heldout = examples
+    forward_kl = cfg.loss.name == "forward_kl"
     settings = TeacherSettings(
-        head_ids, cfg.loss.temperature, cfg.loss.name != "forward_kl", layers, accelerator.device, argmax
+        head_ids, cfg.loss.temperature, not forward_kl, layers, accelerator.device, argmax, sparse and forward_kl
     )
     if not cfg.teacher.cache:
         return Teacher(target, settings)

@@ -179,8 +179,9 @@ def setup(cfg: DistillConfig) -> Run:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     kind = kind_named(cfg.draft.kind)
     layers, argmax = kind.teacher_layers(draft), kind.teacher_argmax(draft)
+    sparse = not kind.teacher_log_probs(draft)
     examples = (train_examples, heldout_examples)
-    teacher_logits = teacher(cfg, target, examples, pad, accelerator, head_ids, layers, argmax)
+    teacher_logits = teacher(cfg, target, examples, pad, accelerator, head_ids, layers, argmax, sparse)
     loader, heldout = loaders(cfg, train_examples, heldout_examples, pad)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
@@ -449,7 +450,7 @@ def draft_predictions(draft, batch: dict, rows: torch.Tensor, teacher: TeacherRo
         rows,
         head.ids,
         teacher.hidden or {},
-        teacher.log_probs,
+        teacher.log_probs if isinstance(teacher.log_probs, torch.Tensor) else None,
         teacher.argmax,
     )
     return head.kind.training_forward(draft, head.model, kind_batch)

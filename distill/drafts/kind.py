@@ -85,7 +85,8 @@ class Batch:
     entering target layer i at every position, for the layers ``teacher_layers`` named, from the
     same target forward that gives the teacher's distributions ({} when none were asked for).
     teacher_log_probs: (M, N or V) the teacher's log-probs at the loss rows as the loss reads them
-    (``train.examples.TeacherRows``), for a kind that weights its predictions by them (None: not given).
+    (``train.examples.TeacherRows``), for a kind whose ``teacher_log_probs`` asks for them (None: not
+    asked for).
     teacher_argmax: (M,) the target's most probable token at each loss row, over its whole vocabulary,
     for a kind whose ``teacher_argmax`` asks for it (None: not asked for); a store gives it from its
     top-k entries, so reading it costs no head over the target's vocabulary.
@@ -161,6 +162,11 @@ class DraftKind(Protocol):
 
     def teacher_argmax(self, draft: torch.nn.Module) -> bool:
         """Whether the training forward reads the target's argmax at the loss rows (``Batch.teacher_argmax``)."""
+        ...
+
+    def teacher_log_probs(self, draft: torch.nn.Module) -> bool:
+        """Whether the training forward reads the teacher's log-probs at the loss rows
+        (``Batch.teacher_log_probs``; without them a store's teacher stays sparse for forward KL)."""
         ...
 
     def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
@@ -401,6 +407,9 @@ class KindBase:
         return ()
 
     def teacher_argmax(self, draft: torch.nn.Module) -> bool:
+        return False
+
+    def teacher_log_probs(self, draft: torch.nn.Module) -> bool:
         return False
 
     def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:

@@ -637,6 +637,10 @@ class ParallelKind(KindBase):
         # frozen embeddings: the mask's row still learns (the data never feeds the mask, so nothing else trains it)
         return ParallelDraft(model, mask, chains, train_mask_row=settings.freeze_embeddings).train()
 
+    def teacher_log_probs(self, draft: torch.nn.Module) -> bool:
+        """Chains weighted by acceptance (``chain_weights`` draft or target) read them."""
+        return draft.chains.chain_weights != "equal"
+
     def training_forward(self, draft: torch.nn.Module, model: torch.nn.Module, batch: Batch) -> Predictions:
         """The ordinary predictions at the loss rows (M, n), then, in training, every kept chain step
         with its teacher row and its weight (``chain_weights``, module docstring)."""

@@ -17,6 +17,7 @@ from draftsmith.distill import teacher_cache, vocab_cut
 from draftsmith.distill.data import collate
 from draftsmith.distill.losses import (
     LOSSES,
+    TopkTeacher,
     acceptance_probability,
     cross_entropy,
     row_token_losses,
@@ -100,18 +101,24 @@ def gradients(draft) -> dict[str, torch.Tensor]:
 CASES = [(loss, 0.0) for loss in LOSSES] + [("forward_kl", 0.3), ("tvd", 0.5)]
 
 
-@pytest.mark.parametrize("source", ["live", "cache"])
+@pytest.mark.parametrize("source", ["live", "cache", "sparse_cache"])
 @pytest.mark.parametrize("cut", [False, True], ids=["full", "cut"])
 @pytest.mark.parametrize(("loss", "ce_weight"), CASES)
 def test_lean_step_loss_and_gradients_equal_the_old_formula(models, source, cut, loss, ce_weight):
+    """sparse_cache: the cache's entries kept as top-k (a kind that does not read the teacher's
+    log-probs); forward KL is then taken without a dense teacher, the other losses on its dense form."""
     target, draft = models
-    cfg = make_cfg(loss, ce_weight, cache=source == "cache")
+    cached = source != "live"
+    cfg = make_cfg(loss, ce_weight, cache=cached)
     ids = IDS if cut else None
     train = copy.deepcopy(EXAMPLES)
-    teacher = train_examples.teacher(cfg, target, (train, []), PAD, Accelerator(cpu=True), ids)
+    sparse = source == "sparse_cache"
+    teacher = train_examples.teacher(cfg, target, (train, []), PAD, Accelerator(cpu=True), ids, sparse=sparse)
     batch = collate(train, PAD)
+    rows_given = teacher(batch, vocab_cut.loss_rows(batch["loss_mask"])).log_probs
+    assert isinstance(rows_given, TopkTeacher) == (sparse and loss == "forward_kl")
     entries = None
-    if source == "cache":
+    if cached:
         folder = teacher_cache.folder_for(train_examples.target_name(cfg), target.dtype, train, 8)
         entries = teacher_cache.lookup(folder, train)
 

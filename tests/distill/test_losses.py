@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from draftsmith.distill import teacher_cache
 from draftsmith.distill.losses import (
     LOSSES,
     acceptance_probability,
@@ -15,7 +16,9 @@ from draftsmith.distill.losses import (
     forward_kl,
     jsd,
     reverse_kl,
+    row_losses,
     token_losses,
+    topk_forward_kl,
     tvd,
 )
 
@@ -109,3 +112,34 @@ def test_masked_positions_are_zero_and_gradients_flow(name, logits):
     assert s.grad[:, :3].abs().sum() > 0
     if name != "accepted_length":  # its windows look ahead only into valid positions, not back
         assert s.grad[:, -2:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+@pytest.mark.parametrize("width", [5, 12, 40])
+def test_forward_kl_against_a_top_k_teacher_equals_the_dense_teachers_in_value_and_gradient(temperature, width):
+    # 6 rows, top-5 entries over a 60-token vocabulary, on a head of `width` columns: row 0's five
+    # tokens have no column (index width), row 1's all do (with width 5 they are every column, so no
+    # column holds the spread mass), the others a mix.
+    gen = torch.Generator().manual_seed(3)
+    vocab, k = 60, 5
+    ids = torch.randperm(vocab, generator=gen)[:width]  # the head's columns, in column order
+    indices = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(6)])
+    outside = torch.tensor([t for t in range(vocab) if t not in set(ids.tolist())])
+    indices[0] = outside[:k]
+    indices[1] = ids[:k]
+    logprobs = torch.log_softmax(torch.randn(6, vocab, generator=gen) * 2, -1).gather(1, indices)
+    teacher = teacher_cache.topk_teacher(indices, logprobs, vocab, ids, temperature)
+    dense = teacher_cache.topk_log_probs(indices, logprobs, vocab, ids, temperature)
+    torch.testing.assert_close(teacher.dense(), dense)
+    assert (teacher.columns[0] == width).all() and (teacher.columns[1] < width).all()
+
+    logits = torch.randn(6, width, generator=gen, requires_grad=True)
+    sparse_loss = topk_forward_kl(logits, teacher, temperature)
+    (grad_sparse,) = torch.autograd.grad((sparse_loss * torch.arange(1.0, 7.0)).sum(), logits)
+    dense_loss = row_losses("forward_kl", logits, dense, temperature)
+    (grad_dense,) = torch.autograd.grad((dense_loss * torch.arange(1.0, 7.0)).sum(), logits)
+    assert float(dense_loss.min()) > 0.01  # the distributions differ on every row
+    torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_sparse, grad_dense, rtol=1e-4, atol=1e-6)
+    rows = torch.tensor([4, 0, 4])
+    torch.testing.assert_close(teacher.index_select(0, rows).dense(), dense[rows])
