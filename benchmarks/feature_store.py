@@ -5,7 +5,10 @@ steps each, interleaved (live, store, live, store, ...) so a machine that slows 
 store is built once before the first store run (its build is not timed); each run's steps/s is its
 train_summary.json's (step time only, not evaluations or checkpoints), and teacher_forwards is
 recorded beside it. Writes benchmarks/results/feature_store.json.
-Run: .venv/bin/python benchmarks/feature_store.py [--steps 6 --repeats 2]
+``--profile N`` then profiles N store steps (after one unprofiled) with torch's profiler and records
+where a step's time goes: the ops of most self time, and the shares of the matrix products and of
+attention, which no change to the loss can remove.
+Run: .venv/bin/python benchmarks/feature_store.py [--steps 6 --repeats 2 --profile 3]
 Smoke: .venv/bin/python benchmarks/feature_store.py --config tiny --steps 2 --repeats 1 --name feature_store_smoke
 """
 
@@ -14,12 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from common import median, save
+from torch.profiler import ProfilerActivity, profile
 
 from draftsmith.train.config import DistillConfig, config_path, load_config
-from draftsmith.train.loop import train
+from draftsmith.train.loop import setup, train, train_step
+
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul"}
 
 
 def run(config: str, folder: Path, steps: int, cached: bool, extra: list[str]) -> dict:
@@ -30,12 +37,38 @@ def run(config: str, folder: Path, steps: int, cached: bool, extra: list[str]) -
     return json.loads((result.run_dir / "train_summary.json").read_text())
 
 
+def store_profile(config: str, folder: Path, steps: int, extra: list[str]) -> dict:
+    """Where a store step's time goes: ``steps`` steps after one unprofiled, by self CPU time per op."""
+    items = [f"output_dir={folder}", "eval.speedup_steps=0", "teacher.cache=true", *extra]
+    cfg = load_config(DistillConfig, config_path(config), items)
+    run = setup(cfg)
+    batches = iter(run.loader)
+    train_step(run, [next(batches)])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            train_step(run, [next(batches)])
+        seconds = (time.perf_counter() - start) / steps
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops)
+    matmul = sum(e.self_cpu_time_total for e in ops if e.key in MATMUL_OPS)
+    attention = sum(e.self_cpu_time_total for e in ops if "scaled_dot_product" in e.key or "attention" in e.key)
+    return {
+        "steps": steps,
+        "step_s": seconds,
+        "matmul_share": matmul / total,
+        "attention_share": attention / total,
+        "top_ops": [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in ops[:15]],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="smollm2-135m-eagle3")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--name", default="feature_store", help="results/NAME.json (default: feature_store)")
+    parser.add_argument("--profile", type=int, default=0, help="then profile this many store steps")
     args = parser.parse_args()
     extra = ["draft.kind=eagle3", "draft.vocab=30"] if args.config == "tiny" else []
     records = {"live": [], "store": []}
@@ -45,6 +78,7 @@ def main() -> None:
             for source in ("live", "store"):
                 folder = Path(tmp) / f"{source}-{repeat}"
                 records[source].append(run(args.config, folder, args.steps, source == "store", extra))
+        profiled = store_profile(args.config, Path(tmp) / "profile", args.profile, extra) if args.profile else None
     live = median([r["steps_per_s"] for r in records["live"]])
     stored = median([r["steps_per_s"] for r in records["store"]])
     report = {
@@ -56,6 +90,8 @@ def main() -> None:
         "ratio": stored / live,
         "runs": records,
     }
+    if profiled is not None:
+        report["profile"] = profiled
     save(args.name, report)
     print(f"steps/s: live {live:.3f}, from the store {stored:.3f} ({stored / live:.1f}x)")
 
