@@ -49,6 +49,9 @@ VARIANTS = {
     "prior, no decay": {"decay": 1.0},
     "prior (1, 1), probe 16": {"prior": (1.0, 1.0), "probe_every": 16},
     "probe 16": {"probe_every": 16},
+    "backoff 2, at most 32": {"backoff": 2.0, "probe_max": 32},
+    "backoff 2, at most 16": {"backoff": 2.0, "probe_max": 16},
+    "backoff 1.5, at most 32": {"backoff": 1.5, "probe_max": 32},
 }
 
 

@@ -515,19 +515,6 @@ def topk_teacher(
     return TopkTeacher(column[indices.long()], top - log_norm, log_other - log_norm, len(ids))
 
 
-def topk_log_probs(
-    indices: torch.Tensor,
-    logprobs: torch.Tensor,
-    vocab_size: int,
-    ids: torch.Tensor | None = None,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """``topk_teacher`` densely: (M, N) on the tokens ``ids``, or (M, V) for ``ids`` None; the values of
-    ``log_softmax(densify_topk(indices, logprobs, V) / temperature)`` (what the losses took of the
-    dense cache), nothing of size (B, T, V)."""
-    return topk_teacher(indices, logprobs, vocab_size, ids, temperature).dense()
-
-
 def rows_teacher_argmax(entries: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
     """The target's most probable token at the loss rows of a batch whose rows are ``entries`` (M,):
     the stored top-k entry of highest log-prob (the store's top-k is over the full vocabulary)."""

@@ -51,7 +51,9 @@ class Pacer:
     of 1/3 that its own rounds overrule: a draft that never agrees is paused once its rejections
     pull the estimate below the break-even acceptance (three rounds at c = 0.13, gamma 1). margin:
     before a plain step has been timed, how clearly drafting must pay (with the step taken as costly
-    as a verification) to go on without timing one.
+    as a verification) to go on without timing one. backoff: each probe in a row after which
+    drafting still does not pay multiplies the paused rounds before the next by this (1: every
+    ``probe_every`` rounds), up to ``probe_max``.
 
     The defaults were chosen by replaying the pacer over greedy agreement traces of a trained draft on
     held-out prompts and over synthetic ones of fixed acceptance (``benchmarks/pacing.py``): the
@@ -65,9 +67,12 @@ class Pacer:
     decay: float = 0.97
     prior: tuple[float, float] = (0.5, 1.0)
     margin: float = 1.5
+    backoff: float = 1.0
+    probe_max: int = 32
     accepted: list[float] = field(init=False)  # decayed accepted draft tokens, per sequence
     rejected: list[float] = field(init=False)  # decayed rejections, per sequence
     paused_for: list[int] = field(init=False)  # paused rounds in a row, per sequence
+    probes: list[int] = field(init=False)  # probe rounds in a row after which drafting still did not pay
     draft_s: Average = field(default_factory=Average)  # seconds of drafting, per drafting round
     verify_s: Average = field(default_factory=Average)  # seconds of a verification with drafts
     step_s: Average = field(default_factory=Average)  # seconds of a verification of [x_n] alone
@@ -76,6 +81,7 @@ class Pacer:
         self.accepted = [0.0] * self.batch_size
         self.rejected = [0.0] * self.batch_size
         self.paused_for = [0] * self.batch_size
+        self.probes = [0] * self.batch_size
 
     def alpha(self, seq: int) -> float:
         """The per-position acceptance estimated for sequence ``seq``: accepted / (accepted +
@@ -97,11 +103,19 @@ class Pacer:
             return tokens * self.verify_s.value > self.margin * drafting
         return tokens * self.step_s.value > drafting
 
+    def probe_interval(self, seq: int) -> int:
+        """Paused rounds before ``seq``'s next probe: ``probe_every``, times ``backoff`` for each probe
+        in a row that left drafting not paying, at most ``probe_max``."""
+        return min(round(self.probe_every * self.backoff ** self.probes[seq]), max(self.probe_max, self.probe_every))
+
     def drafts(self, live: list[int]) -> list[bool]:
         """For each sequence of ``live`` (one per batch row), whether it drafts in the next round."""
         decisions = []
         for seq in live:
-            drafts = self.drafting_pays(seq) or self.paused_for[seq] >= self.probe_every
+            pays = self.drafting_pays(seq)
+            probe = not pays and self.paused_for[seq] >= self.probe_interval(seq)
+            self.probes[seq] = 0 if pays else self.probes[seq] + probe  # a probe that leads to a pause counts
+            drafts = pays or probe
             self.paused_for[seq] = 0 if drafts else self.paused_for[seq] + 1
             decisions.append(drafts)
         return decisions

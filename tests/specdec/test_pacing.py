@@ -98,6 +98,30 @@ def test_a_paused_sequence_probes_again_and_acceptance_is_decayed_counts():
     assert pacer.step_s.value == pytest.approx(0.7 * 1.0 + 0.3 * 0.5)  # a plain round times the step
 
 
+def test_probes_that_find_drafting_still_not_paying_come_ever_later_until_one_pays():
+    # backoff 2, probe_max 12: after probes that leave drafting not paying, 3, 6, 12, 12 paused rounds
+    # come between them; a probe whose round makes drafting pay resets the interval to probe_every.
+    pacer = timed_pacer(1, 0.13, 1.0, 1.0, (0.0, 5.0))
+    pacer.probe_every, pacer.backoff, pacer.probe_max = 3, 2.0, 12
+    gaps, paused = [], 0
+    while len(gaps) < 4:
+        if pacer.drafts([0])[0]:
+            gaps.append(paused)
+            paused = 0
+            pacer.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.13, verify_s=1.0)
+        else:
+            paused += 1
+    assert gaps == [3, 6, 12, 12]
+    for _ in range(12):
+        assert not pacer.drafts([0])[0]
+    assert pacer.drafts([0])[0]  # the fifth probe is accepted many times over: drafting pays again
+    pacer.record([0], torch.tensor([1]), torch.tensor([1]), draft_s=0.13, verify_s=1.0)
+    pacer.accepted[0] += 10.0
+    assert pacer.drafts([0])[0] and pacer.probes[0] == 0
+    pacer.rejected[0] += 100.0  # and it stops paying again: the next probe comes after probe_every
+    assert [pacer.drafts([0])[0] for _ in range(4)] == [False, False, False, True]
+
+
 def decode(target, draft, prompts, gamma, pace, **sampling):
     options = DecodeOptions(gamma=gamma, pace=pace, sampling=SamplingParams(**sampling))
     return speculative_generate(target, draft, prompts, 24, options, generator=torch.Generator().manual_seed(0))
