@@ -12,9 +12,10 @@ pacing rule would do on those prompts: rounds paused, tokens per unit time, and 
 model predicts. It is a model (it leaves out the decoder's per-round bookkeeping), so the part that
 counts is the timed one:
 
-``--time``: for each prompt and repeat, the target alone, the decoder unpaced and the decoder paced,
-interleaved (each prompt runs the three back to back, in a rotating order), greedy output checked
-against the target's. Per category and overall: the measured speedup of each, unpaced and paced.
+``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced, and paced
+without the probe back-off, interleaved (each prompt runs the four back to back, in a rotating
+order), greedy output checked against the target's. Per category and overall: the measured speedup
+of each, the median over repeats and its range.
 
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 3
 
@@ -24,6 +25,7 @@ Written to ``benchmarks/results/pacing.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -34,6 +36,7 @@ import torch
 from common import PROMPTS, default_target, machine, save
 from kind_runs import decoding_draft
 
+from draftsmith.specdec import decoder
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import cpu_has_native_bfloat16
 from draftsmith.specdec.options import DecodeOptions
@@ -44,12 +47,12 @@ from draftsmith.specdec.prompts import encode_chat, read_prompts
 # before its prior, less the 3 warm-up rounds it also had).
 VARIANTS = {
     "pacer": {},
-    "no prior, decay 0.7, probe 8": {"prior": (0.0, 0.0), "decay": 0.7, "probe_every": 8},
+    "no prior, decay 0.7, probe 8": {"prior": (0.0, 0.0), "decay": 0.7, "probe_every": 8, "backoff": 1.0},
     "prior, decay 0.7": {"decay": 0.7},
     "prior, no decay": {"decay": 1.0},
     "prior (1, 1), probe 16": {"prior": (1.0, 1.0), "probe_every": 16},
     "probe 16": {"probe_every": 16},
-    "backoff 2, at most 32": {"backoff": 2.0, "probe_max": 32},
+    "no back-off": {"backoff": 1.0},
     "backoff 2, at most 16": {"backoff": 2.0, "probe_max": 16},
     "backoff 1.5, at most 32": {"backoff": 1.5, "probe_max": 32},
 }
@@ -103,14 +106,21 @@ def replay_all(traces: dict[str, list[list[bool]]], gamma: int, c: float, v: flo
 
 
 def timed(target, draft, prompts, categories, eos, args) -> dict:
-    """Target alone, unpaced and paced decoding, interleaved per prompt and repeat (rotating order)."""
-    times = defaultdict(lambda: defaultdict(list))
+    """Target alone, unpaced decoding, paced decoding and paced decoding without the probe back-off,
+    interleaved per prompt and repeat (rotating order). Per category and repeat the ratio of summed
+    times; reported: the median over repeats and its range, as ``draftsmith eval`` does (one slow
+    minute of a shared machine moves one repeat, not the figure)."""
+    # seconds[category][name][repeat]
+    seconds = defaultdict(lambda: defaultdict(lambda: [0.0] * args.repeats))
     identical = True
-    options = {
-        "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
-        "paced": DecodeOptions(gamma=args.gamma, pace=True),
+    runs = {
+        "unpaced": (DecodeOptions(gamma=args.gamma, pace=False), {}),
+        "paced": (DecodeOptions(gamma=args.gamma, pace=True), {}),
+        "paced, no back-off": (DecodeOptions(gamma=args.gamma, pace=True), {"backoff": 1.0}),
     }
-    order = ["target", "unpaced", "paced"]
+    order = ["target", *runs]
+    for options, _ in runs.values():  # warm-up, not timed: a process's first decoding calls run slow
+        speculative_generate(target, draft, [prompts[0]], args.max_new_tokens, options, eos)
     for repeat in range(args.repeats):
         for index, (prompt, category) in enumerate(zip(prompts, categories, strict=True)):
             shift = (repeat + index) % len(order)
@@ -120,16 +130,25 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
                 if name == "target":
                     out, _ = target_generate(target, [prompt], args.max_new_tokens, eos_ids=eos)
                 else:
-                    out, _ = speculative_generate(target, draft, [prompt], args.max_new_tokens, options[name], eos)
-                times[category][name].append(time.perf_counter() - start)
-                times["all"][name].append(times[category][name][-1])
+                    options, settings = runs[name]
+                    decoder.Pacer = functools.partial(Pacer, **settings)  # the decoder's pacer, with these settings
+                    try:
+                        out, _ = speculative_generate(target, draft, [prompt], args.max_new_tokens, options, eos)
+                    finally:
+                        decoder.Pacer = Pacer
+                spent = time.perf_counter() - start
+                seconds[category][name][repeat] += spent
+                seconds["all"][name][repeat] += spent
                 if expected is not None and out != expected:
                     identical = False
                 expected = out
     result = {}
-    for category, by_name in times.items():
-        base = sum(by_name["target"])
-        result[category] = {name: round(base / sum(by_name[name]), 4) for name in ("unpaced", "paced")}
+    for category, by_name in seconds.items():
+        result[category] = {}
+        for name in runs:
+            ratios = [base / spent for base, spent in zip(by_name["target"], by_name[name], strict=True)]
+            result[category][name] = round(statistics.median(ratios), 4)
+            result[category][f"{name} range"] = [round(min(ratios), 4), round(max(ratios), 4)]
     return {"speedup": result, "greedy_match": identical}
 
 

@@ -1,6 +1,7 @@
 """Pacing: a sequence stops drafting where drafting does not pay, tries again now and then, and the
 output stays the target's for every kind of draft."""
 
+import functools
 import itertools
 import random
 import time
@@ -10,6 +11,7 @@ import torch
 
 from draftsmith.distill.drafts import KINDS
 from draftsmith.distill.drafts.kind import DraftSettings
+from draftsmith.specdec import decoder
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer, expected_tokens
@@ -88,7 +90,7 @@ def test_a_few_unlucky_rounds_do_not_pause_a_draft_that_pays():
 
 def test_a_paused_sequence_probes_again_and_acceptance_is_decayed_counts():
     pacer = timed_pacer(2, 1.0, 1.0, 1.0, (0.0, 3.0))
-    pacer.probe_every = 3
+    pacer.probe_every, pacer.backoff = 3, 1.0  # a probe every 3 paused rounds, however many led nowhere
     assert [pacer.drafts([0])[0] for _ in range(8)] == [False, False, False, True, False, False, False, True]
     pacer.record([0], torch.tensor([2]), torch.tensor([2]), draft_s=1.0, verify_s=1.0)
     # counts decay by 0.97 per drafting round: accepted 0 * 0.97 + 2, rejected 3 * 0.97 + 0, each
@@ -96,6 +98,34 @@ def test_a_paused_sequence_probes_again_and_acceptance_is_decayed_counts():
     assert pacer.alpha(0) == pytest.approx((2 + 0.5) / (2 + 0.5 + 2.91 + 1))
     pacer.record([0], torch.tensor([0]), torch.tensor([0]), draft_s=0.0, verify_s=0.5)
     assert pacer.step_s.value == pytest.approx(0.7 * 1.0 + 0.3 * 0.5)  # a plain round times the step
+
+
+def test_rounds_are_compared_over_the_same_span_and_a_resumed_round_never_raises_the_draft_time():
+    # A plain round's time is its lap from the previous verification (the bookkeeping every round
+    # pays) plus its verification, as a drafting round's is: 0.1 + 1.0 here, not 1.0.
+    pacer = timed_pacer(1, 0.3, 1.05, None, (0.0, 0.0))
+    pacer.record([0], torch.tensor([0]), torch.tensor([0]), draft_s=0.1, verify_s=1.0)
+    assert pacer.step_s.value == pytest.approx(1.1)
+    # at the prior's 1/3 a round emits 1.333 tokens: 1.333 * 1.1 = 1.467 beats the drafting round's
+    # 0.3 + 1.05 = 1.35, where the forward alone (1.333 * 1.0) would not have
+    assert pacer.drafting_pays(0)
+    pacer.rejected[0] = 10.0
+    assert pacer.drafts([0]) == [False]
+    pacer.paused_for[0] = pacer.probe_interval(0)
+    assert pacer.drafts([0]) == [True] and pacer.resuming
+    # the probe's draft forward also reads the paused rounds' tokens: 0.9 s leaves the estimate as
+    # it was; a quick one lowers it
+    pacer.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.9, verify_s=1.05)
+    assert pacer.draft_s.value == pytest.approx(0.3)
+    pacer.paused_for[0] = pacer.probe_interval(0)
+    pacer.drafts([0])
+    pacer.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.1, verify_s=1.05)
+    assert pacer.draft_s.value == pytest.approx(0.7 * 0.3 + 0.3 * 0.1)
+    # a drafting round after a drafting round counts as timed
+    pacer.accepted[0] = 100.0
+    assert pacer.drafts([0]) == [True] and not pacer.resuming
+    pacer.record([0], torch.tensor([1]), torch.tensor([1]), draft_s=0.9, verify_s=1.05)
+    assert pacer.draft_s.value == pytest.approx(0.7 * 0.24 + 0.3 * 0.9)
 
 
 def test_probes_that_find_drafting_still_not_paying_come_ever_later_until_one_pays():
@@ -176,6 +206,9 @@ def test_a_round_where_every_sequence_is_paused_runs_no_draft_forward(target, mo
     # cache as they come, a few one-row projections; an LM reads its prompt before the first round.)
     draft = every_kind(target)[kind]
     layers = [m for m in draft.modules() if isinstance(m, torch.nn.Linear)]
+    # probes every 4 paused rounds (no back-off): drafting rounds enough that the prompt's forward,
+    # shared by all of them, weighs in both runs alike
+    monkeypatch.setattr(decoder, "Pacer", functools.partial(Pacer, backoff=1.0))
 
     def linear_calls_per_drafting_round(schedule) -> tuple[float, int]:
         monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: next(schedule))
