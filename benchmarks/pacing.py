@@ -12,10 +12,11 @@ pacing rule would do on those prompts: rounds paused, tokens per unit time, and 
 model predicts. It is a model (it leaves out the decoder's per-round bookkeeping), so the part that
 counts is the timed one:
 
-``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced, and paced
-without the probe back-off, interleaved (each prompt runs the four back to back, in a rotating
-order), greedy output checked against the target's. Per category and overall: the measured speedup
-of each, the median over repeats and its range.
+``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced, paced without
+the probe back-off, and with a pacer that never lets a sequence draft (the decoder's own floor: its
+round loop's cost beside the target's plain loop), interleaved (each prompt runs the five back to
+back, in a rotating order), greedy output checked against the target's. Per category and overall:
+the measured speedup of each, the median over repeats and its range.
 
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 3
 
@@ -105,11 +106,20 @@ def replay_all(traces: dict[str, list[list[bool]]], gamma: int, c: float, v: flo
     return out
 
 
+class NeverDrafts(Pacer):
+    """A pacer that pauses every sequence in every round: the decoder then runs the target's own
+    steps through its round loop, so its time beside the target alone is the loop's own cost (its
+    bookkeeping and the drafter reading the prompt), the floor no pacing rule can go below."""
+
+    def drafts(self, live: list[int]) -> list[bool]:
+        return [False] * len(live)
+
+
 def timed(target, draft, prompts, categories, eos, args) -> dict:
-    """Target alone, unpaced decoding, paced decoding and paced decoding without the probe back-off,
-    interleaved per prompt and repeat (rotating order). Per category and repeat the ratio of summed
-    times; reported: the median over repeats and its range, as ``draftsmith eval`` does (one slow
-    minute of a shared machine moves one repeat, not the figure)."""
+    """Target alone, unpaced decoding, paced decoding, paced decoding without the probe back-off and
+    the decoder drafting never, interleaved per prompt and repeat (rotating order). Per category and
+    repeat the ratio of summed times; reported: the median over repeats and its range, as
+    ``draftsmith eval`` does (one slow minute of a shared machine moves one repeat, not the figure)."""
     # seconds[category][name][repeat]
     seconds = defaultdict(lambda: defaultdict(lambda: [0.0] * args.repeats))
     identical = True
@@ -117,6 +127,7 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
         "unpaced": (DecodeOptions(gamma=args.gamma, pace=False), {}),
         "paced": (DecodeOptions(gamma=args.gamma, pace=True), {}),
         "paced, no back-off": (DecodeOptions(gamma=args.gamma, pace=True), {"backoff": 1.0}),
+        "never drafting": (DecodeOptions(gamma=args.gamma, pace=True), None),
     }
     order = ["target", *runs]
     for options, _ in runs.values():  # warm-up, not timed: a process's first decoding calls run slow
@@ -131,7 +142,8 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
                     out, _ = target_generate(target, [prompt], args.max_new_tokens, eos_ids=eos)
                 else:
                     options, settings = runs[name]
-                    decoder.Pacer = functools.partial(Pacer, **settings)  # the decoder's pacer, with these settings
+                    # the decoder's pacer, with these settings
+                    decoder.Pacer = NeverDrafts if settings is None else functools.partial(Pacer, **settings)
                     try:
                         out, _ = speculative_generate(target, draft, [prompt], args.max_new_tokens, options, eos)
                     finally:
