@@ -19,8 +19,10 @@ back, in a rotating order), greedy output checked against the target's. Per cate
 the measured speedup of each, the median over repeats and its range.
 
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 3
+    .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 30 \
+        --categories translation --name pacing_translation
 
-Written to ``benchmarks/results/pacing.json``.
+Written to ``benchmarks/results/pacing.json`` (``--name``: another file of that folder).
 """
 
 from __future__ import annotations
@@ -174,12 +176,24 @@ def main() -> None:
     p.add_argument("--save-traces", default=None, help="write the agreement traces to this JSON file")
     p.add_argument("--time", action="store_true", help="also time target, unpaced and paced side by side")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--categories",
+        default=None,
+        help="only the held-out prompts of these categories (comma-separated): a short answer times in "
+        "about a second, so one category can take many repeats",
+    )
+    p.add_argument("--name", default="pacing", help="results/NAME.json (default: pacing)")
     args = p.parse_args()
 
     dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
     target, tokenizer, eos = default_target(dtype=dtype)
     draft = decoding_draft(Path(args.draft), target, eos)
     rows = read_prompts(PROMPTS)
+    if args.categories:
+        wanted = set(args.categories.split(","))
+        rows = [row for row in rows if row.category in wanted]
+        if not rows:
+            raise SystemExit(f"--categories {args.categories}: no held-out prompt has these categories")
     prompts = [encode_chat(tokenizer, row.turns[0]) for row in rows]
     categories = [row.category or "all" for row in rows]
 
@@ -211,7 +225,7 @@ def main() -> None:
         result["timed"] = timed(target, draft, prompts, categories, eos, args)
         print("timed:", result["timed"])
     print(machine()["cpu"])
-    save("pacing", result)
+    save(args.name, result)
 
 
 if __name__ == "__main__":
