@@ -35,19 +35,22 @@ from draftsmith.train.loop import setup, train, train_step
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul"}
 
 
+def bench_config(config: str, folder: Path, cached: bool, extra: list[str], *more: str) -> DistillConfig:
+    """``config`` writing to ``folder``, no speedup evaluations, the teacher from the store or live."""
+    items = [f"output_dir={folder}", "eval.speedup_steps=0", f"teacher.cache={str(cached).lower()}", *more, *extra]
+    return load_config(DistillConfig, config_path(config), items)
+
+
 def run(config: str, folder: Path, steps: int, cached: bool, extra: list[str]) -> dict:
     """One training run of ``steps`` steps; its train_summary.json."""
-    items = [f"output_dir={folder}", f"optim.max_steps={steps}", f"save.steps={steps}", f"log.steps={steps}"]
-    items += ["eval.speedup_steps=0", f"teacher.cache={str(cached).lower()}", *extra]
-    result = train(load_config(DistillConfig, config_path(config), items))
+    limits = (f"optim.max_steps={steps}", f"save.steps={steps}", f"log.steps={steps}")
+    result = train(bench_config(config, folder, cached, extra, *limits))
     return json.loads((result.run_dir / "train_summary.json").read_text())
 
 
 def store_profile(config: str, folder: Path, steps: int, extra: list[str]) -> dict:
     """Where a store step's time goes: ``steps`` steps after one unprofiled, by self CPU time per op."""
-    items = [f"output_dir={folder}", "eval.speedup_steps=0", "teacher.cache=true", *extra]
-    cfg = load_config(DistillConfig, config_path(config), items)
-    run = setup(cfg)
+    run = setup(bench_config(config, folder, True, extra))
     batches = iter(run.loader)
     train_step(run, [next(batches)])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -82,12 +85,7 @@ def step_flops(config: str, folder: Path, extra: list[str]) -> dict:
     """Floating-point operations of the first training step, live and from the store (same batch)."""
     counted = {}
     for source in ("live", "store"):
-        items = [
-            f"output_dir={folder / source}",
-            "eval.speedup_steps=0",
-            f"teacher.cache={str(source == 'store').lower()}",
-        ]
-        run = setup(load_config(DistillConfig, config_path(config), [*items, *extra]))
+        run = setup(bench_config(config, folder / source, source == "store", extra))
         with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
             train_step(run, [next(iter(run.loader))])
         counted[source] = counter.get_total_flops()

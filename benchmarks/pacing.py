@@ -174,7 +174,9 @@ def main() -> None:
     p.add_argument("--c", type=float, default=0.12, help="draft step / target step, for the replay")
     p.add_argument("--v", type=float, default=1.0, help="verification / target step, for the replay")
     p.add_argument("--save-traces", default=None, help="write the agreement traces to this JSON file")
-    p.add_argument("--time", action="store_true", help="also time target, unpaced and paced side by side")
+    p.add_argument(
+        "--time", action="store_true", help="also time target, unpaced, paced and never-drafting decoding side by side"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--categories",
