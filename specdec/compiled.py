@@ -190,10 +190,19 @@ class CompiledStream(ModelStream):
 
 
 def make_stream(
-    model: torch.nn.Module, batch_size: int, capacity: int, cache_kind: str, *, role: str, compiled: bool
+    model: torch.nn.Module,
+    batch_size: int,
+    capacity: int,
+    cache_kind: str,
+    *,
+    role: str,
+    compiled: bool,
+    row_exact: bool | None = None,
 ) -> ModelStream:
     """A compiled stream (static cache from the pool) or an eager one of ``cache_kind``; ``role``:
-    ``target`` (row-exact, see ``stream``) or ``draft``."""
+    ``target`` or ``draft``. ``row_exact`` (see ``stream``; by default for the target): logits that do
+    not depend on how many tokens a forward carries."""
     if compiled:
         return CompiledStream(model, batch_size, capacity, role)
-    return ModelStream(model, batch_size, capacity, cache_kind, row_exact=role == "target")
+    exact = role == "target" if row_exact is None else row_exact
+    return ModelStream(model, batch_size, capacity, cache_kind, row_exact=exact)

@@ -165,10 +165,16 @@ def target_generate(
     generator: torch.Generator | None = None,
     cache_kind: str | None = None,
     compile: bool | None = None,
+    row_exact: bool = False,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Plain KV-cached autoregressive decoding: the baseline every speedup is measured against.
 
     compile: single-token steps as compiled graphs (``compiled``), as ``DecodeOptions.compile``.
+    row_exact: compute each step as the speculative decoder's forwards compute it (``stream``: one
+        sequence's one-token step as two rows in 16-bit dtypes), so that the output is the one it
+        reproduces bit for bit. Off, a step of one sequence runs one row, the fastest plain decoding
+        and the one a user of the target alone gets: what a speedup is timed against. The two differ
+        only in 16-bit dtypes, and there only where a near-tie meets the last bit of a product.
     """
     _check_prompts(prompts, max_new_tokens)
     device, batch = target.device, len(prompts)
@@ -178,7 +184,8 @@ def target_generate(
     tokens, valid = left_pad(prompts, device)
     capacity = tokens.shape[1] + max_new_tokens + 1
     kind = cache_kind or default_cache_kind(device)
-    stream = make_stream(target, batch, capacity, kind, role="target", compiled=resolve_compile(compile, target))
+    compiled = resolve_compile(compile, target)
+    stream = make_stream(target, batch, capacity, kind, role="target", compiled=compiled, row_exact=row_exact)
     with decoding_threads(target):
         logits = stream.forward(tokens, valid, logits_to_keep=1)[:, -1]
         stats.target_forwards += 1

@@ -3,8 +3,9 @@
 The target-only decoder (``decoder.target_generate``) and the speculative decoder run interleaved
 batch by batch with the same seed, so a load change on a shared machine hits both alike and, when
 sampling, both see the same draws. Batches never mix categories, so per-category timing is exact.
-A target-only baseline timed before (``baseline.measure_baseline``) can stand in for the target's
-runs; it is replayed in order.
+The target-only runs are timed as plain decoding runs fastest (one row per step of one sequence);
+the greedy check holds the speculative output to the row-exact target it reproduces
+(``PairRun.greedy_identical``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from draftsmith.specdec.measure.hf_compare import HFComparison
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.tally import Tally
 from draftsmith.specdec.prompts import Prompt, check_length, encode_chat
+from draftsmith.specdec.stream import needs_row_padding
 
 
 @dataclass
@@ -57,6 +59,29 @@ class PairRun:
             ),
             len(batch_ids),
         )
+
+    def greedy_identical(
+        self, batch_ids: list[list[int]], base_out: list[list[int]], spec_out: list[list[int]]
+    ) -> list[bool]:
+        """Whether each speculative output is the target's greedy output. The timed baseline steps one
+        sequence one row at a time, the fastest plain decoding; the speculative decoder reproduces the
+        row-exact target (``decoder.target_generate``'s ``row_exact``). The two differ only in 16-bit
+        dtypes where a near-tie meets the last bit of a product, so where an output differs from the
+        baseline's, an untimed row-exact run of the target decides."""
+        same = [spec == base for spec, base in zip(spec_out, base_out, strict=True)]
+        if all(same) or len(batch_ids) > 1 or not needs_row_padding(self.target):
+            return same
+        options = self.settings.options
+        reference, _ = target_generate(
+            self.target,
+            batch_ids,
+            self.settings.max_new_tokens,
+            eos_ids=self.settings.eos_ids,
+            cache_kind=options.cache_kind,
+            compile=options.compile,
+            row_exact=True,
+        )
+        return [spec == ref for spec, ref in zip(spec_out, reference, strict=True)]
 
     def run_spec(self, batch_ids: list[list[int]]) -> tuple[list[list[int]], DecodeStats]:
         return guard_memory(
@@ -157,9 +182,9 @@ def run_repeat(
             for name, stats in (("target", base_stats), ("spec", spec_stats)):
                 tally[name].add(stats)
                 per_cat[category][name].add(stats)
+            if greedy_matches is not None and pair.settings.options.sampling.greedy:
+                greedy_matches += pair.greedy_identical(ids, base_out, spec_out)
             for row, i in enumerate(indices):
-                if greedy_matches is not None and pair.settings.options.sampling.greedy:
-                    greedy_matches.append(spec_out[row] == base_out[row])
                 reply = pair.tokenizer.decode(base_out[row], skip_special_tokens=True)
                 answers[i] = answers[i] + prompts[i].turns[turn] + [{"role": "assistant", "content": reply}]
             for row_ids in ids if hf is not None else []:

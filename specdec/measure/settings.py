@@ -11,8 +11,8 @@ from draftsmith.specdec.prompts import Prompt
 
 @dataclass(frozen=True)
 class MeasureSettings:
-    """Settings of one measurement (``pair.evaluate_pair``, ``baseline.measure_baseline``, the
-    engine comparison), the same for the speculative decoder and the target-only baseline.
+    """Settings of one measurement (``pair.evaluate_pair``, the engine comparison), the same for the
+    speculative decoder and the target-only baseline.
 
     prompts: what is decoded; every turn of a multi-turn prompt, later turns seeing the target's answers.
     options: how the speculative decoder decodes; its sampling and cache kind are the baseline's too.

@@ -55,12 +55,37 @@ def test_bfloat16_greedy_speculative_output_is_the_targets(wide_pair):
     target, draft = wide_pair
     for seed, length in enumerate((5, 30, 70)):
         prompt = _tokens(length, 10 + seed)[0].tolist()
-        want, _ = target_generate(target, [prompt], 80)
+        want, _ = target_generate(target, [prompt], 80, row_exact=True)
         for gamma, widths in ((1, {}), (3, {}), (4, {2: 4, 3: 4, 4: 6, 5: 6})):
             options = DecodeOptions(gamma=gamma, verify_widths=widths)
             got, stats = speculative_generate(target, draft, [prompt], 80, options=options)
             assert got == want, (seed, gamma, widths)
             assert 0 < stats.accepted < stats.proposed
+
+
+def _step_widths(model: torch.nn.Module) -> list[int]:
+    """Records the input width of every forward of ``model``; returns the (growing) list."""
+    widths: list[int] = []
+    model.register_forward_pre_hook(lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    return widths
+
+
+def test_the_timed_baseline_steps_one_row_and_the_reference_two():
+    """Plain decoding a user of the target alone gets runs a step of one sequence as one row, and that is
+    what a speedup is timed against; the output the speculative decoder reproduces bit for bit steps as
+    its verifications compute (two rows in bfloat16). In float32 both are one row."""
+    model = tiny_llama(vocab=512, layers=2, hidden=64)
+    prompt = _tokens(12, 3)[0].remainder(512).tolist()
+    for dtype, exact_width in ((torch.bfloat16, 2), (torch.float32, 1)):
+        model = model.to(dtype)
+        widths = _step_widths(model)
+        plain, _ = target_generate(model, [prompt], 6)
+        assert widths == [12] + [1] * 5
+        widths.clear()
+        exact, _ = target_generate(model, [prompt], 6, row_exact=True)
+        assert widths == [12] + [exact_width] * 5
+        model._forward_pre_hooks.clear()
+    assert plain == exact  # a toy model of this width has no near-ties to split
 
 
 def test_exact_attention_leaves_a_static_cache_to_sdpa_and_stays_correct():

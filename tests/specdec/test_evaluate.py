@@ -5,8 +5,9 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
-from draftsmith.specdec.decoder import DecodeStats
+from draftsmith.specdec.decoder import DecodeStats, target_generate
 from draftsmith.specdec.measure import runs
 from draftsmith.specdec.measure.costs import step_costs
 from draftsmith.specdec.measure.figures import report_from_repeats
@@ -148,3 +149,21 @@ def test_a_measurement_reports_the_decoders_acceptance_at_each_position():
     # At gamma 1 every round proposes one token: position 1's share is accepted / proposed.
     one = evaluate_pair(target, draft, tokenizer, dataclasses.replace(settings, options=DecodeOptions(gamma=1)))
     assert one.acceptance_by_position == [pytest.approx(one.acceptance_rate)]
+
+
+def test_the_greedy_check_asks_the_row_exact_target_where_the_timed_baseline_differs():
+    """The target-only runs are timed one row per step; in bfloat16 the speculative decoder reproduces
+    the row-exact target instead, so where its output differs from the timed baseline's, an untimed
+    row-exact run decides. In float32 the two baselines are one, and a difference is a mismatch."""
+    tokenizer = tiny_tokenizer()
+    target = tiny_llama(vocab=tokenizer.vocab_size)
+    prompt = [Prompt("0", "writing", [[{"role": "user", "content": "w3 w10"}]])]
+    ids = [[5, 9, 14, 3, 7, 21]]
+    for dtype, rescued in ((torch.bfloat16, True), (torch.float32, False)):
+        model = target.to(dtype)
+        pair = runs.PairRun(model, model, tokenizer, MeasureSettings(prompt, max_new_tokens=8, progress=False))
+        exact = target_generate(model, ids, 8, row_exact=True)[0]
+        other = [exact[0][:-1] + [(exact[0][-1] + 1) % tokenizer.vocab_size]]
+        assert pair.greedy_identical(ids, base_out=other, spec_out=exact) == [rescued]
+        assert pair.greedy_identical(ids, base_out=exact, spec_out=other) == [False]
+        assert pair.greedy_identical(ids, base_out=exact, spec_out=exact) == [True]
