@@ -28,7 +28,6 @@ Written to ``benchmarks/results/pacing.json`` (``--name``: another file of that 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import time
@@ -43,21 +42,21 @@ from draftsmith.specdec import decoder
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import cpu_has_native_bfloat16
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.pacing import Pacer
+from draftsmith.specdec.pacing import Pacer, PaceSettings
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 
 # The pacer's defaults, and other settings replayed beside them (the second is the rule the pacer had
 # before its prior, less the 3 warm-up rounds it also had).
 VARIANTS = {
-    "pacer": {},
-    "no prior, decay 0.7, probe 8": {"prior": (0.0, 0.0), "decay": 0.7, "probe_every": 8, "backoff": 1.0},
-    "prior, decay 0.7": {"decay": 0.7},
-    "prior, no decay": {"decay": 1.0},
-    "prior (1, 1), probe 16": {"prior": (1.0, 1.0), "probe_every": 16},
-    "probe 16": {"probe_every": 16},
-    "no back-off": {"backoff": 1.0},
-    "backoff 2, at most 16": {"backoff": 2.0, "probe_max": 16},
-    "backoff 1.5, at most 32": {"backoff": 1.5, "probe_max": 32},
+    "pacer": PaceSettings(),
+    "no prior, decay 0.7, probe 8": PaceSettings(prior=(0.0, 0.0), decay=0.7, probe_every=8, backoff=1.0),
+    "prior, decay 0.7": PaceSettings(decay=0.7),
+    "prior, no decay": PaceSettings(decay=1.0),
+    "prior (1, 1), probe 16": PaceSettings(prior=(1.0, 1.0), probe_every=16),
+    "probe 16": PaceSettings(probe_every=16),
+    "no back-off": PaceSettings(backoff=1.0),
+    "backoff 2, at most 16": PaceSettings(backoff=2.0, probe_max=16),
+    "backoff 1.5, at most 32": PaceSettings(backoff=1.5, probe_max=32),
 }
 
 
@@ -125,37 +124,39 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
     # seconds[category][name][repeat]
     seconds = defaultdict(lambda: defaultdict(lambda: [0.0] * args.repeats))
     identical = True
+    # what every speculative run must reproduce: the row-exact target's output, untimed (the timed
+    # target steps one row, as plain decoding runs fastest)
+    reference = [target_generate(target, [p], args.max_new_tokens, eos_ids=eos, row_exact=True)[0] for p in prompts]
+    no_backoff = PaceSettings(backoff=1.0)
     runs = {
-        "unpaced": (DecodeOptions(gamma=args.gamma, pace=False), {}),
-        "paced": (DecodeOptions(gamma=args.gamma, pace=True), {}),
-        "paced, no back-off": (DecodeOptions(gamma=args.gamma, pace=True), {"backoff": 1.0}),
-        "never drafting": (DecodeOptions(gamma=args.gamma, pace=True), None),
+        "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
+        "paced": DecodeOptions(gamma=args.gamma, pace=True),
+        "paced, no back-off": DecodeOptions(gamma=args.gamma, pace=True, pace_settings=no_backoff),
+        "never drafting": DecodeOptions(gamma=args.gamma, pace=True),  # with the NeverDrafts pacer
     }
     order = ["target", *runs]
-    for options, _ in runs.values():  # warm-up, not timed: a process's first decoding calls run slow
+    for options in runs.values():  # warm-up, not timed: a process's first decoding calls run slow
         speculative_generate(target, draft, [prompts[0]], args.max_new_tokens, options, eos)
     for repeat in range(args.repeats):
         for index, (prompt, category) in enumerate(zip(prompts, categories, strict=True)):
             shift = (repeat + index) % len(order)
-            expected = None
             for name in order[shift:] + order[:shift]:
                 start = time.perf_counter()
                 if name == "target":
                     out, _ = target_generate(target, [prompt], args.max_new_tokens, eos_ids=eos)
-                else:
-                    options, settings = runs[name]
-                    # the decoder's pacer, with these settings
-                    decoder.Pacer = NeverDrafts if settings is None else functools.partial(Pacer, **settings)
+                elif name == "never drafting":
+                    decoder.Pacer = NeverDrafts  # the decoder's pacer, replaced for this run only
                     try:
-                        out, _ = speculative_generate(target, draft, [prompt], args.max_new_tokens, options, eos)
+                        out, _ = speculative_generate(target, draft, [prompt], args.max_new_tokens, runs[name], eos)
                     finally:
                         decoder.Pacer = Pacer
+                else:
+                    out, _ = speculative_generate(target, draft, [prompt], args.max_new_tokens, runs[name], eos)
                 spent = time.perf_counter() - start
                 seconds[category][name][repeat] += spent
                 seconds["all"][name][repeat] += spent
-                if expected is not None and out != expected:
+                if name != "target" and out != reference[index]:
                     identical = False
-                expected = out
     result = {}
     for category, by_name in seconds.items():
         result[category] = {}
@@ -211,7 +212,7 @@ def main() -> None:
 
     replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None)}
     for name, settings in VARIANTS.items():
-        replayed[name] = replay_all(traces, args.gamma, args.c, args.v, lambda s=settings: Pacer(args.gamma, 1, **s))
+        replayed[name] = replay_all(traces, args.gamma, args.c, args.v, lambda s=settings: Pacer(args.gamma, 1, s))
     for name, by_category in replayed.items():
         cells = (f"{k} {r['speedup']:.3f} ({r['paused_share']:.2f})" for k, r in by_category.items())
         print(f"{name:>14}: " + "  ".join(cells))

@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--draft-greedy", action="store_true", help="the draft proposes its argmax even when sampling")
     p.add_argument(
+        "--exact-pauses",
+        action="store_true",
+        help="with --pace, a paused round of one sequence steps the target as a verification does (two rows in "
+        "bfloat16), so that greedy output is the row-exact target's bit for bit; by default it is the target's "
+        "plain one-row step, as fast as the target alone (about 7 %% faster on a native-bfloat16 CPU)",
+    )
+    p.add_argument(
         "--cache", choices=CACHE_KINDS, default=None, help="KV cache kind (default: slot on CPU, static on CUDA)"
     )
     p.add_argument(
@@ -190,6 +197,7 @@ def decode_options(args: argparse.Namespace) -> DecodeOptions:
         draft_options=parse_draft_options(args.draft_option),
         tree=TreeShape.parse(args.tree) if args.tree is not None else None,
         pace=args.pace and args.tree is None,
+        exact_pauses=args.exact_pauses,
         compile=args.compile,
     )
     if options.tree is not None and args.batch_size != 1:

@@ -247,7 +247,7 @@ def speculative_generate(
         stats.prefill_time += clock.lap()
 
         live = list(range(batch))  # the sequence in each row of the models' batches
-        pacer = Pacer(options.gamma, batch) if options.pace and options.tree is None else None
+        pacer = Pacer(options.gamma, batch, options.pace_settings) if options.pace and options.tree is None else None
         progress = Progress(out, stats, clock, generator, device, pacer)
         while live := _drop_finished(out, live, [verifier, drafter], device):
             if options.tree is not None:  # the same four steps over a token tree (tree_drafting)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from draftsmith.specdec.cache import CACHE_KINDS
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.pacing import PaceSettings
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.tree import TreeShape
 
@@ -33,6 +34,15 @@ class DecodeOptions:
     pace: stop drafting for a sequence while drafting does not pay for it (its acceptance, the
         draft's and the verification's measured cost against a plain target step), trying again
         now and then (``pacing``); exact either way. Chains only (a tree always drafts).
+    pace_settings: how pacing decides (``pacing.PaceSettings``: its prior, decay, probe interval
+        and back-off); read only with ``pace``.
+    exact_pauses: with ``pace``, a round where no sequence drafts steps the target as a
+        verification would (two rows for one sequence in 16-bit dtypes, ``stream``), so that greedy
+        output is the row-exact target's bit for bit. Off (the default), such a round is the target's
+        plain one-row step, as fast as the target alone (the two-row step costs about 7 % more on a
+        native-bfloat16 CPU): a sequence whose draft does not pay then costs what plain decoding
+        costs, and in 16-bit dtypes a near-tie at a paused position is decided as plain decoding
+        decides it. Only one-sequence batches and 16-bit dtypes differ; unpaced rounds are row-exact.
     compile: run the decoding steps of both models as compiled graphs over static caches
         (``compiled``; CUDA graphs on CUDA); None compiles on CUDA and decodes eager elsewhere.
         Token trees always decode eager; a draft with its own decoding pair may too.
@@ -47,6 +57,8 @@ class DecodeOptions:
     draft_options: Mapping[str, object] = field(default_factory=dict)
     tree: TreeShape | None = None
     pace: bool = False
+    pace_settings: PaceSettings = PaceSettings()
+    exact_pauses: bool = False
     compile: bool | None = None
 
     def __post_init__(self) -> None:
@@ -56,6 +68,8 @@ class DecodeOptions:
             raise DraftsmithError(f"confidence threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.cache_kind is not None and self.cache_kind not in CACHE_KINDS:
             raise DraftsmithError(f"unknown cache kind {self.cache_kind!r}; choose one of {', '.join(CACHE_KINDS)}")
+        if not isinstance(self.pace_settings, PaceSettings):
+            raise DraftsmithError(f"pace_settings must be a PaceSettings, got {self.pace_settings!r}")
         if self.tree is not None and not isinstance(self.tree, TreeShape):
             raise DraftsmithError(f"tree must be a TreeShape (e.g. TreeShape.parse('3,2,1,1')), got {self.tree!r}")
         if self.compile and self.tree is not None:

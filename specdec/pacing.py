@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.specdec.errors import DraftsmithError
+
 
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Tokens a chain round of ``gamma`` proposals emits at per-position acceptance ``alpha``."""
@@ -40,20 +42,19 @@ class Average:
         self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
 
 
-@dataclass
-class Pacer:
-    """Which sequences of one decoding call draft in the next round.
+@dataclass(frozen=True)
+class PaceSettings:
+    """How a ``Pacer`` decides (``DecodeOptions.pace_settings``).
 
-    gamma: draft tokens per drafting round. probe_every: paused rounds between two drafting rounds
-    of a paused sequence. decay: the weight a round's counts keep per later drafting round of the
-    same sequence (close to 1: a few unlucky rounds of a draft that usually pays do not pause it).
-    prior: (accepted, rejected) counts every sequence starts from, so that its estimate is a guess
-    of 1/3 that its own rounds overrule: a draft that never agrees is paused once its rejections
-    pull the estimate below the break-even acceptance (three rounds at c = 0.13, gamma 1). margin:
-    before a plain step has been timed, how clearly drafting must pay (with the step taken as costly
-    as a verification) to go on without timing one. backoff: each probe in a row after which
-    drafting still does not pay multiplies the paused rounds before the next by this (1: every
-    ``probe_every`` rounds), up to ``probe_max``.
+    probe_every: paused rounds between two drafting rounds of a paused sequence. decay: the weight a
+    round's counts keep per later drafting round of the same sequence (close to 1: a few unlucky
+    rounds of a draft that usually pays do not pause it). prior: (accepted, rejected) counts every
+    sequence starts from, so that its estimate is a guess of 1/3 that its own rounds overrule: a
+    draft that never agrees is paused once its rejections pull the estimate below the break-even
+    acceptance (three rounds at c = 0.13, gamma 1). margin: before a plain step has been timed, how
+    clearly drafting must pay (with the step taken as costly as a verification) to go on without
+    timing one. backoff: each probe in a row after which drafting still does not pay multiplies the
+    paused rounds before the next by this (1: every ``probe_every`` rounds), up to ``probe_max``.
 
     The defaults were chosen by replaying the pacer over greedy agreement traces of a trained draft on
     held-out prompts and over synthetic ones of fixed acceptance (``benchmarks/pacing.py``): the
@@ -63,14 +64,39 @@ class Pacer:
     raised the one whose draft never agrees (translation: 0.965 to 0.975 of the target's speed).
     """
 
-    gamma: int
-    batch_size: int
     probe_every: int = 4
     decay: float = 0.97
     prior: tuple[float, float] = (0.5, 1.0)
     margin: float = 1.5
     backoff: float = 2.0
     probe_max: int = 32
+
+    def __post_init__(self) -> None:
+        problems = []
+        if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
+            problems.append(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        if not 0 < self.decay <= 1:
+            problems.append(f"decay must be in (0, 1], got {self.decay}")
+        if len(self.prior) != 2 or min(self.prior) < 0:
+            problems.append(f"prior must be two counts >= 0 (accepted, rejected), got {self.prior!r}")
+        if self.margin < 1:
+            problems.append(f"margin must be >= 1, got {self.margin}")
+        if self.backoff < 1:
+            problems.append(f"backoff must be >= 1 (1: no back-off), got {self.backoff}")
+        if self.probe_max < self.probe_every:
+            problems.append(f"probe_max ({self.probe_max}) must be at least probe_every ({self.probe_every})")
+        if problems:
+            raise DraftsmithError("pace settings: " + "; ".join(problems))
+
+
+@dataclass
+class Pacer:
+    """Which sequences of one decoding call draft in the next round: ``gamma`` draft tokens per
+    drafting round, ``batch_size`` sequences, deciding as ``settings`` say."""
+
+    gamma: int
+    batch_size: int
+    settings: PaceSettings = PaceSettings()
     accepted: list[float] = field(init=False)  # decayed accepted draft tokens, per sequence
     rejected: list[float] = field(init=False)  # decayed rejections, per sequence
     paused_for: list[int] = field(init=False)  # paused rounds in a row, per sequence
@@ -89,8 +115,9 @@ class Pacer:
     def alpha(self, seq: int) -> float:
         """The per-position acceptance estimated for sequence ``seq``: accepted / (accepted +
         rejections), its decayed counts added to the prior's."""
-        accepted = self.accepted[seq] + self.prior[0]
-        seen = accepted + self.rejected[seq] + self.prior[1]
+        prior = self.settings.prior
+        accepted = self.accepted[seq] + prior[0]
+        seen = accepted + self.rejected[seq] + prior[1]
         return accepted / seen if seen else 1.0
 
     def drafting_pays(self, seq: int) -> bool:
@@ -103,13 +130,14 @@ class Pacer:
             # No plain step timed yet. A step costs at most a verification over more tokens, so with
             # t_step = t_verify drafting looks its best: a sequence it clearly pays for even then
             # drafts on; any other takes a plain round, which times the step it is compared with.
-            return tokens * self.verify_s.value > self.margin * drafting
+            return tokens * self.verify_s.value > self.settings.margin * drafting
         return tokens * self.step_s.value > drafting
 
     def probe_interval(self, seq: int) -> int:
         """Paused rounds before ``seq``'s next probe: ``probe_every``, times ``backoff`` for each probe
         in a row that left drafting not paying, at most ``probe_max``."""
-        return min(round(self.probe_every * self.backoff ** self.probes[seq]), max(self.probe_max, self.probe_every))
+        every, most = self.settings.probe_every, self.settings.probe_max
+        return min(round(every * self.settings.backoff ** self.probes[seq]), most)
 
     def drafts(self, live: list[int]) -> list[bool]:
         """For each sequence of ``live`` (one per batch row), whether it drafts in the next round."""
@@ -142,5 +170,6 @@ class Pacer:
         for seq, offered, kept in zip(live, proposed.tolist(), accepted.tolist(), strict=True):
             if offered == 0:
                 continue
-            self.accepted[seq] = self.decay * self.accepted[seq] + kept
-            self.rejected[seq] = self.decay * self.rejected[seq] + (1 if kept < offered else 0)
+            decay = self.settings.decay
+            self.accepted[seq] = decay * self.accepted[seq] + kept
+            self.rejected[seq] = decay * self.rejected[seq] + (1 if kept < offered else 0)

@@ -60,7 +60,8 @@ class TargetVerifier:
     ``widths[q]`` (``DecodeOptions.verify_widths``); the padding sits after the real inputs, where
     no real query attends to it, and the next rollback drops it. ``compiled``: verification forwards
     are compiled graphs (``compiled.CompiledStream``), one per width. ``feature_layers``: the target
-    layers whose entering hidden states every forward also returns (the drafter's)."""
+    layers whose entering hidden states every forward also returns (the drafter's). ``row_exact``:
+    a forward of one token for one sequence steps as a verification would (``stream``)."""
 
     def __init__(
         self,
@@ -71,8 +72,11 @@ class TargetVerifier:
         widths: Mapping[int, int],
         compiled: bool = False,
         feature_layers: tuple[int, ...] = (),
+        row_exact: bool = True,
     ):
-        self.stream = make_stream(target, batch_size, capacity, cache_kind, role="target", compiled=compiled)
+        self.stream = make_stream(
+            target, batch_size, capacity, cache_kind, role="target", compiled=compiled, row_exact=row_exact
+        )
         self.widths = widths
         self.feature_layers = feature_layers
 
@@ -90,7 +94,10 @@ class TargetVerifier:
         verification widths (none for a token tree, whose width is its node count)."""
         cache_kind = options.cache_kind or default_cache_kind(target.device)
         widths = options.verify_widths if options.tree is None else {}
-        return cls(target, batch_size, capacity, cache_kind, widths, compiled, feature_layers)
+        # A forward of one token for one sequence is a round where nothing drafts: paused, or the
+        # last token of an answer; paused rounds step as plain decoding does unless exact_pauses.
+        row_exact = not options.pace or options.exact_pauses
+        return cls(target, batch_size, capacity, cache_kind, widths, compiled, feature_layers, row_exact)
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, reusable: None = None) -> Verification:
         """Logits after each prompt (B, 1, V)."""

@@ -14,6 +14,7 @@ from draftsmith.specdec.attention import EXACT, use_exact_attention
 from draftsmith.specdec.cache import make_cache
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.stream import ModelStream, decoding_threads
 from draftsmith.specdec.tree import TreeShape
 from tests.helpers import noisy_copy, tiny_llama
@@ -86,6 +87,31 @@ def test_the_timed_baseline_steps_one_row_and_the_reference_two():
         assert widths == [12] + [exact_width] * 5
         model._forward_pre_hooks.clear()
     assert plain == exact  # a toy model of this width has no near-ties to split
+
+
+def test_a_paused_round_is_a_plain_step_unless_pauses_are_exact(monkeypatch):
+    """Paced decoding: a round where the one sequence does not draft steps the target one row, as the
+    target alone does; with exact_pauses it steps two rows, as a verification computes, and the output
+    is the row-exact target's bit for bit. Unpaced, the last token's draft-less round is row-exact."""
+    target = tiny_llama(vocab=512, layers=2, hidden=64)
+    draft = noisy_copy(target, 0.5).to(torch.bfloat16)
+    target = target.to(torch.bfloat16)
+    prompt = _tokens(12, 4)[0].remainder(512).tolist()
+    reference, _ = target_generate(target, [prompt], 24, row_exact=True)
+    monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: False)  # paused but for the probes
+    widths = _step_widths(target)
+    for exact in (False, True):
+        widths.clear()
+        options = DecodeOptions(gamma=1, pace=True, exact_pauses=exact)
+        out, stats = speculative_generate(target, draft, [prompt], 24, options=options)
+        assert stats.paused > 10 and widths[0] == 12
+        assert widths.count(1) == (0 if exact else stats.paused)
+        assert min(widths[1:]) == (2 if exact else 1)
+        if exact:
+            assert out == reference
+    widths.clear()
+    speculative_generate(target, draft, [prompt], 24, options=DecodeOptions(gamma=3))
+    assert min(widths[1:]) >= 2
 
 
 def test_exact_attention_leaves_a_static_cache_to_sdpa_and_stays_correct():

@@ -1,7 +1,6 @@
 """Pacing: a sequence stops drafting where drafting does not pay, tries again now and then, and the
 output stays the target's for every kind of draft."""
 
-import functools
 import itertools
 import random
 import time
@@ -11,10 +10,10 @@ import torch
 
 from draftsmith.distill.drafts import KINDS
 from draftsmith.distill.drafts.kind import DraftSettings
-from draftsmith.specdec import decoder
 from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.pacing import Pacer, expected_tokens
+from draftsmith.specdec.pacing import Pacer, PaceSettings, expected_tokens
 from draftsmith.specdec.sampling import SamplingParams
 from tests.helpers import assert_fits, noisy_copy, sample_spec, tiny_llama, tiny_tokenizer
 
@@ -90,7 +89,7 @@ def test_a_few_unlucky_rounds_do_not_pause_a_draft_that_pays():
 
 def test_a_paused_sequence_probes_again_and_acceptance_is_decayed_counts():
     pacer = timed_pacer(2, 1.0, 1.0, 1.0, (0.0, 3.0))
-    pacer.probe_every, pacer.backoff = 3, 1.0  # a probe every 3 paused rounds, however many led nowhere
+    pacer.settings = PaceSettings(probe_every=3, backoff=1.0)  # a probe every 3 paused rounds, whatever came of them
     assert [pacer.drafts([0])[0] for _ in range(8)] == [False, False, False, True, False, False, False, True]
     pacer.record([0], torch.tensor([2]), torch.tensor([2]), draft_s=1.0, verify_s=1.0)
     # counts decay by 0.97 per drafting round: accepted 0 * 0.97 + 2, rejected 3 * 0.97 + 0, each
@@ -132,7 +131,7 @@ def test_probes_that_find_drafting_still_not_paying_come_ever_later_until_one_pa
     # backoff 2, probe_max 12: after probes that leave drafting not paying, 3, 6, 12, 12 paused rounds
     # come between them; a probe whose round makes drafting pay resets the interval to probe_every.
     pacer = timed_pacer(1, 0.13, 1.0, 1.0, (0.0, 5.0))
-    pacer.probe_every, pacer.backoff, pacer.probe_max = 3, 2.0, 12
+    pacer.settings = PaceSettings(probe_every=3, backoff=2.0, probe_max=12)
     gaps, paused = [], 0
     while len(gaps) < 4:
         if pacer.drafts([0])[0]:
@@ -208,14 +207,14 @@ def test_a_round_where_every_sequence_is_paused_runs_no_draft_forward(target, mo
     layers = [m for m in draft.modules() if isinstance(m, torch.nn.Linear)]
     # probes every 4 paused rounds (no back-off): drafting rounds enough that the prompt's forward,
     # shared by all of them, weighs in both runs alike
-    monkeypatch.setattr(decoder, "Pacer", functools.partial(Pacer, backoff=1.0))
+    options = DecodeOptions(gamma=2, pace=True, pace_settings=PaceSettings(backoff=1.0))
 
     def linear_calls_per_drafting_round(schedule) -> tuple[float, int]:
         monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: next(schedule))
         calls = []
         hooks = [m.register_forward_pre_hook(lambda module, args: calls.append(1)) for m in layers]
         try:
-            out, stats = decode(target, draft, [PROMPTS[2]], gamma=2, pace=True)
+            out, stats = speculative_generate(target, draft, [PROMPTS[2]], 24, options)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -251,3 +250,27 @@ def test_paused_rounds_keep_their_drafter_time_out_of_the_draft_step_cost(target
     assert stats.paused > 0 and 0 < drafting_rounds <= stats.rounds - stats.paused
     assert stats.draft_time == pytest.approx(drafting_rounds)
     assert stats.paused_draft_time == pytest.approx(stats.rounds - drafting_rounds)
+
+
+def test_pace_settings_are_decode_options_and_bad_ones_are_refused(target):
+    # No back-off: a sequence whose draft never agrees probes every 4 paused rounds, not 4, 8, 16, 32.
+    waits = {}
+    for name, settings in (("back-off", PaceSettings()), ("none", PaceSettings(backoff=1.0))):
+        pacer = Pacer(1, 1, settings)
+        pacer.probes[0] = 3
+        waits[name] = pacer.probe_interval(0)
+    assert waits == {"back-off": 32, "none": 4}
+    options = DecodeOptions(gamma=1, pace=True, pace_settings=PaceSettings(backoff=1.0))
+    out, stats = speculative_generate(target, noisy_copy(target, 3.0), [PROMPTS[0]], 24, options)
+    assert out == target_generate(target, [PROMPTS[0]], 24)[0] and stats.paused > 0
+    for bad, message in (
+        ({"probe_every": 0}, "probe_every must be an integer >= 1"),
+        ({"decay": 1.5}, "decay must be in"),
+        ({"prior": (-1.0, 1.0)}, "prior must be two counts"),
+        ({"backoff": 0.5}, "backoff must be >= 1"),
+        ({"probe_every": 8, "probe_max": 4}, "probe_max \\(4\\) must be at least probe_every \\(8\\)"),
+    ):
+        with pytest.raises(DraftsmithError, match=message):
+            PaceSettings(**bad)
+    with pytest.raises(DraftsmithError, match="pace_settings must be a PaceSettings"):
+        DecodeOptions(pace=True, pace_settings={"backoff": 1.0})
