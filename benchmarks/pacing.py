@@ -57,6 +57,9 @@ VARIANTS = {
     "no back-off": PaceSettings(backoff=1.0),
     "backoff 2, at most 16": PaceSettings(backoff=2.0, probe_max=16),
     "backoff 1.5, at most 32": PaceSettings(backoff=1.5, probe_max=32),
+    "prior (0.25, 0.5)": PaceSettings(prior=(0.25, 0.5)),
+    "prior (0.35, 0.7)": PaceSettings(prior=(0.35, 0.7)),
+    "prior (0.25, 0.5), decay 0.9": PaceSettings(prior=(0.25, 0.5), decay=0.9),
 }
 
 
