@@ -6,6 +6,9 @@
 2. One query over a few hundred keys with grouped-query attention (9 query heads, 3 key/value
    heads): ``sdpa`` with ``enable_gqa`` against heads packed by key/value group
    (``attention.one_query_attention``).
+3. One decoding step of the default target for one sequence on a 100-token cache: one row, as plain
+   decoding (and the target-only baseline) steps, against two rows, the decoder's row-exact step
+   (``stream``), alternating step by step.
 
 Ratios are medians over repeats of interleaved timings. Run: .venv/bin/python benchmarks/cpu_kernels.py
 """
@@ -16,9 +19,10 @@ import argparse
 import time
 
 import torch
-from common import median, save
+from common import default_target, median, save
 
 from draftsmith.specdec.attention import one_query_attention
+from draftsmith.specdec.stream import ModelStream, decoding_threads
 
 
 def per_call(fn, calls: int) -> float:
@@ -26,6 +30,34 @@ def per_call(fn, calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls
+
+
+def step_times(dtype: torch.dtype, repeats: int, steps: int = 40) -> list[float]:
+    """Per repeat: the median of ``steps`` two-row steps over the median of as many one-row steps of the
+    default target, each stream stepping once in turn on a 100-token cache (rolled back after each)."""
+    target, _, _ = default_target(dtype=dtype)
+    prompt = torch.arange(1, 101)[None] % target.config.vocab_size
+    token, valid = torch.tensor([[7]]), torch.ones(1, 1, dtype=torch.bool)
+    streams = {}
+    for exact in (False, True):
+        streams[exact] = ModelStream(target, 1, 128, "slot", row_exact=exact)
+        streams[exact].forward(prompt, torch.ones_like(prompt, dtype=torch.bool), logits_to_keep=1)
+    keep = torch.tensor([100])
+    ratios = []
+    with torch.inference_mode(), decoding_threads(target):
+        for rep in range(repeats + 1):  # the first pass warms up
+            spent = {False: [], True: []}
+            for _ in range(steps):
+                for exact, stream in streams.items():
+                    start = time.perf_counter()
+                    stream.forward(token, valid)
+                    spent[exact].append(time.perf_counter() - start)
+                    stream.rollback(keep)
+            if rep:
+                ratios.append(median(spent[True]) / median(spent[False]))
+                one, two = median(spent[False]) * 1e3, median(spent[True]) * 1e3
+                print(f"repeat {rep}: target step, one row {one:.2f} ms, two rows {two:.2f} ms")
+    return ratios
 
 
 def main() -> None:
@@ -60,11 +92,15 @@ def main() -> None:
             ratios["head_sliced_vs_standard"].append(t["head_sliced"] / t["head_standard"])
             ratios["attn_gqa_vs_packed"].append(t["attn_sdpa_gqa"] / t["attn_packed"])
             print(f"repeat {rep + 1}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items()))
+    ratios["target_step_two_rows_vs_one"] = step_times(dtype, args.repeats)
     result = {k: median(v) for k, v in ratios.items()}
     result.update(dtype=args.dtype, repeats=args.repeats, torch_threads=torch.get_num_threads())
     print()
     print(f"LM head on a sliced row / on the same row with standard strides: {result['head_sliced_vs_standard']:.1f}x")
     print(f"single-query attention, sdpa enable_gqa / packed by group:       {result['attn_gqa_vs_packed']:.1f}x")
+    print(
+        f"target step of one sequence, two rows / one row:                 {result['target_step_two_rows_vs_one']:.3f}x"
+    )
     save(f"cpu_kernels_{args.dtype}", result)
 
 
