@@ -11,7 +11,8 @@ The pacer estimates each term from what the decoder sees in the call being decod
 sequence from its accepted counts (slowly decayed, so that it follows the text, and started from a
 prior, so that a few rejections by chance do not pause a draft that pays), and the three times as
 moving averages of the round loop's own clock laps. A paused sequence proposes nothing (budget 0):
-its round verifies ``[x_n]`` alone and emits the target's token, which is exact for greedy and
+its round steps the target on ``[x_n]`` alone (a plain one-row step unless
+``DecodeOptions.exact_pauses``) and emits the target's token, which is exact for greedy and
 sampled decoding alike (there is no draft token to accept or reject). Every ``probe_every`` paused
 rounds it drafts one round again, so a sequence whose text turns predictable resumes. The drafter
 reads the tokens of the paused rounds when it next drafts, as it reads x_n in any round.
