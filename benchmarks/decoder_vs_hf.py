@@ -25,17 +25,12 @@ from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import resolve_dtype
 from draftsmith.specdec.measure.costs import step_costs, sum_stats
 from draftsmith.specdec.measure.hf_compare import configure_assistant, hf_generate
+from draftsmith.specdec.measure.runs import greedy_identical
 from draftsmith.specdec.measure.theory import predicted_speedup
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
-
-
-def same_as_target(target, ids: list[int], n: int, eos, spec: list[int], base: list[int]) -> bool:
-    """Whether a speculative output is the target's: the timed baseline's, or where that steps one row
-    and the two differ (16-bit dtypes, a near-tie), the row-exact target's (untimed)."""
-    return spec == base or spec == target_generate(target, [ids], n, eos_ids=eos, row_exact=True)[0][0]
 
 
 def main() -> None:
@@ -88,7 +83,7 @@ def main() -> None:
             (spec_out, _), dt = timed(speculative_generate, target, draft, [ids], n, options=options, eos_ids=eos)
             t["spec"] += dt
             tok["spec"] += len(spec_out[0])
-            identical.append(same_as_target(target, ids, n, eos, spec_out[0], base_out[0]))
+            identical.append(spec_out[0] in (base_out[0], exact_out[0]))  # the timed or the row-exact target's
             # Self-drafting without EOS, so that every round is a full one.
             (out, st), dt = timed(target_generate, target, [ids], n_self)
             t["self_base"] += dt
@@ -98,7 +93,7 @@ def main() -> None:
             t["self_spec"] += dt
             tok["self_spec"] += len(out2[0])
             self_stats.append(st2)
-            identical.append(same_as_target(target, ids, n_self, frozenset(), out2[0], out[0]))
+            identical += greedy_identical(target, [ids], n_self, frozenset(), [out[0]], [out2[0]])
         tps = {k: tok[k] / t[k] for k in t}
         c, v = step_costs(sum_stats(self_base_stats), sum_stats(self_stats), calls=len(self_stats))
         rows["base_vs_hf"].append(tps["base"] / tps["hf"])

@@ -5,7 +5,7 @@ batch by batch with the same seed, so a load change on a shared machine hits bot
 sampling, both see the same draws. Batches never mix categories, so per-category timing is exact.
 The target-only runs are timed as plain decoding runs fastest (one row per step of one sequence);
 the greedy check holds the speculative output to the row-exact target it reproduces
-(``PairRun.greedy_identical``).
+(``greedy_identical``).
 """
 
 from __future__ import annotations
@@ -63,25 +63,18 @@ class PairRun:
     def greedy_identical(
         self, batch_ids: list[list[int]], base_out: list[list[int]], spec_out: list[list[int]]
     ) -> list[bool]:
-        """Whether each speculative output is the target's greedy output. The timed baseline steps one
-        sequence one row at a time, the fastest plain decoding; the speculative decoder reproduces the
-        row-exact target (``decoder.target_generate``'s ``row_exact``). The two differ only in 16-bit
-        dtypes where a near-tie meets the last bit of a product, so where an output differs from the
-        baseline's, an untimed row-exact run of the target decides."""
-        same = [spec == base for spec, base in zip(spec_out, base_out, strict=True)]
-        if all(same) or len(batch_ids) > 1 or not needs_row_padding(self.target):
-            return same
-        options = self.settings.options
-        reference, _ = target_generate(
+        """``greedy_identical`` with this pair's target and settings."""
+        settings, options = self.settings, self.settings.options
+        return greedy_identical(
             self.target,
             batch_ids,
-            self.settings.max_new_tokens,
-            eos_ids=self.settings.eos_ids,
+            settings.max_new_tokens,
+            settings.eos_ids,
+            base_out,
+            spec_out,
             cache_kind=options.cache_kind,
             compile=options.compile,
-            row_exact=True,
         )
-        return [spec == ref for spec, ref in zip(spec_out, reference, strict=True)]
 
     def run_spec(self, batch_ids: list[list[int]]) -> tuple[list[list[int]], DecodeStats]:
         return guard_memory(
@@ -96,6 +89,30 @@ class PairRun:
             ),
             len(batch_ids),
         )
+
+
+def greedy_identical(
+    target: PreTrainedModel,
+    batch_ids: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: frozenset[int],
+    base_out: list[list[int]],
+    spec_out: list[list[int]],
+    cache_kind: str | None = None,
+    compile: bool | None = None,
+) -> list[bool]:
+    """Whether each speculative output of a batch is the target's greedy output. The timed baseline
+    (``base_out``) steps one sequence one row at a time, the fastest plain decoding; the speculative
+    decoder reproduces the row-exact target (``decoder.target_generate``'s ``row_exact``). The two
+    differ only in 16-bit dtypes where a near-tie meets the last bit of a product, so where an
+    output differs from the baseline's, an untimed row-exact run of the target decides."""
+    same = [spec == base for spec, base in zip(spec_out, base_out, strict=True)]
+    if all(same) or len(batch_ids) > 1 or not needs_row_padding(target):
+        return same
+    reference, _ = target_generate(
+        target, batch_ids, max_new_tokens, eos_ids=eos_ids, cache_kind=cache_kind, compile=compile, row_exact=True
+    )
+    return [spec == ref for spec, ref in zip(spec_out, reference, strict=True)]
 
 
 def batches(prompts: list[Prompt], batch_size: int) -> list[list[int]]:
