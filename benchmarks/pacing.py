@@ -13,10 +13,10 @@ model predicts. It is a model (it leaves out the decoder's per-round bookkeeping
 counts is the timed one:
 
 ``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced, paced without
-the probe back-off, and with a pacer that never lets a sequence draft (the decoder's own floor: its
-round loop's cost beside the target's plain loop), interleaved (each prompt runs the five back to
-back, in a rotating order), greedy output checked against the target's. Per category and overall:
-the measured speedup of each, the median over repeats and its range.
+the draft's confidence (the fixed prior), and with a pacer that never lets a sequence draft (the
+decoder's own floor: its round loop's cost beside the target's plain loop), interleaved (each prompt
+runs the five back to back, in a rotating order), greedy output checked against the target's. Per
+category and overall: the measured speedup of each, the median over repeats and its range.
 
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 3
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 30 \
@@ -45,36 +45,49 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer, PaceSettings
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 
-# The pacer's defaults, and other settings replayed beside them (the second is the rule the pacer had
-# before its prior, less the 3 warm-up rounds it also had).
+# The pacer's defaults, and other settings replayed beside them ("fixed prior": the prior not centred
+# on the draft's confidence; "no prior, ...": the rule the pacer had before any prior, less the 3
+# warm-up rounds it also had).
 VARIANTS = {
     "pacer": PaceSettings(),
-    "no prior, decay 0.7, probe 8": PaceSettings(prior=(0.0, 0.0), decay=0.7, probe_every=8, backoff=1.0),
-    "prior, decay 0.7": PaceSettings(decay=0.7),
-    "prior, no decay": PaceSettings(decay=1.0),
-    "prior (1, 1), probe 16": PaceSettings(prior=(1.0, 1.0), probe_every=16),
+    "fixed prior": PaceSettings(confidence=0.0),
+    "no prior, decay 0.7, probe 8": PaceSettings(
+        prior=(0.0, 0.0), confidence=0.0, decay=0.7, probe_every=8, backoff=1.0
+    ),
+    "decay 0.7": PaceSettings(decay=0.7),
+    "no decay": PaceSettings(decay=1.0),
+    "fixed prior (1, 1), probe 16": PaceSettings(prior=(1.0, 1.0), confidence=0.0, probe_every=16),
     "probe 16": PaceSettings(probe_every=16),
     "no back-off": PaceSettings(backoff=1.0),
     "backoff 2, at most 16": PaceSettings(backoff=2.0, probe_max=16),
     "backoff 1.5, at most 32": PaceSettings(backoff=1.5, probe_max=32),
-    "prior (0.25, 0.5)": PaceSettings(prior=(0.25, 0.5)),
-    "prior (0.35, 0.7)": PaceSettings(prior=(0.35, 0.7)),
-    "prior (0.25, 0.5), decay 0.9": PaceSettings(prior=(0.25, 0.5), decay=0.9),
+    "fixed prior (0.25, 0.5)": PaceSettings(prior=(0.25, 0.5), confidence=0.0),
+    "fixed prior (0.25, 0.5), decay 0.9": PaceSettings(prior=(0.25, 0.5), confidence=0.0, decay=0.9),
+    "confidence 1.5": PaceSettings(confidence=1.5),
+    "confidence 3": PaceSettings(confidence=3.0),
+    "confidence 12": PaceSettings(confidence=12.0),
+    "confidence 3, probe 8": PaceSettings(confidence=3.0, probe_every=8),
 }
 
 
-def agreement(target, draft, prompt: list[int], answer: list[int]) -> list[bool]:
+def agreement(target, draft, prompt: list[int], answer: list[int]) -> dict:
     """Whether the draft's greedy token at each answer position equals the target's, given the
-    target's answer before it (one teacher-forced forward of the draft)."""
+    target's answer before it (one teacher-forced forward of the draft), and the probability the
+    draft gave that token (what pacing reads as its confidence)."""
     ids = torch.tensor([prompt + answer[:-1]], device=target.device)
     with torch.inference_mode():
         logits = draft(input_ids=ids).logits[0, len(prompt) - 1 :]
-    return (logits.argmax(-1) == torch.tensor(answer, device=target.device)).tolist()
+    probs = logits.float().softmax(-1)
+    return {
+        "agrees": (logits.argmax(-1) == torch.tensor(answer, device=target.device)).tolist(),
+        "confidence": [round(x, 4) for x in probs.max(-1).values.tolist()],
+    }
 
 
-def replay(agrees: list[bool], gamma: int, c: float, v: float, pacer: Pacer | None) -> dict:
+def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None) -> dict:
     """One sequence decoded by the chain rounds the ``pacer`` (None: never paused) chooses, under the
     cost model: tokens, model time, rounds and paused rounds."""
+    agrees, sure = trace["agrees"], trace["confidence"]
     n, pos, spent, rounds, paused = len(agrees), 0, 0.0, 0, 0
     while pos < n:
         go = pacer.drafts([0])[0] if pacer is not None else True
@@ -92,12 +105,13 @@ def replay(agrees: list[bool], gamma: int, c: float, v: float, pacer: Pacer | No
             kept += 1
         spent += c * g + v
         if pacer is not None:
-            pacer.record([0], torch.tensor([g]), torch.tensor([kept]), c * g, v)
+            confidence = torch.tensor([sure[pos : pos + g]])
+            pacer.record([0], torch.tensor([g]), torch.tensor([kept]), c * g, v, confidence)
         pos += kept + 1
     return {"tokens": n, "time": spent, "rounds": rounds, "paused": paused}
 
 
-def replay_all(traces: dict[str, list[list[bool]]], gamma: int, c: float, v: float, make_pacer) -> dict:
+def replay_all(traces: dict[str, list[dict]], gamma: int, c: float, v: float, make_pacer) -> dict:
     """Per category: the model's speedup (target time = tokens) and the share of rounds paused."""
     out = {}
     for category, sequences in traces.items():
@@ -120,9 +134,9 @@ class NeverDrafts(Pacer):
 
 
 def timed(target, draft, prompts, categories, eos, args) -> dict:
-    """Target alone, unpaced decoding, paced decoding, paced decoding without the probe back-off and
-    the decoder drafting never, interleaved per prompt and repeat (rotating order). Per category and
-    repeat the ratio of summed times; reported: the median over repeats and its range, as
+    """Target alone, unpaced decoding, paced decoding, paced decoding with the fixed prior (no
+    confidence) and the decoder drafting never, interleaved per prompt and repeat (rotating order).
+    Per category and repeat the ratio of summed times; reported: the median over repeats and its range, as
     ``draftsmith eval`` does (one slow minute of a shared machine moves one repeat, not the figure)."""
     # seconds[category][name][repeat]
     seconds = defaultdict(lambda: defaultdict(lambda: [0.0] * args.repeats))
@@ -130,11 +144,11 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
     # what every speculative run must reproduce: the row-exact target's output, untimed (the timed
     # target steps one row, as plain decoding runs fastest)
     reference = [target_generate(target, [p], args.max_new_tokens, eos_ids=eos, row_exact=True)[0] for p in prompts]
-    no_backoff = PaceSettings(backoff=1.0)
+    fixed_prior = PaceSettings(confidence=0.0)
     runs = {
         "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
         "paced": DecodeOptions(gamma=args.gamma, pace=True),
-        "paced, no back-off": DecodeOptions(gamma=args.gamma, pace=True, pace_settings=no_backoff),
+        "paced, fixed prior": DecodeOptions(gamma=args.gamma, pace=True, pace_settings=fixed_prior),
         "never drafting": DecodeOptions(gamma=args.gamma, pace=True),  # with the NeverDrafts pacer
     }
     order = ["target", *runs]
@@ -173,6 +187,12 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", required=True, help="a trained draft folder (a kind that decodes as an LM)")
+    p.add_argument(
+        "--prompts",
+        default=PROMPTS,
+        help="a prompts JSONL file (default: the held-out prompts; benchmarks/pacing_prompts.jsonl holds 30 "
+        "more, five per category, for comparing pacing rules on more sequences)",
+    )
     p.add_argument("--gamma", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--c", type=float, default=0.12, help="draft step / target step, for the replay")
@@ -194,7 +214,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
     target, tokenizer, eos = default_target(dtype=dtype)
     draft = decoding_draft(Path(args.draft), target, eos)
-    rows = read_prompts(PROMPTS)
+    rows = read_prompts(args.prompts)
     if args.categories:
         wanted = set(args.categories.split(","))
         rows = [row for row in rows if row.category in wanted]
@@ -210,8 +230,10 @@ def main() -> None:
     traces["all"] = [t for category in list(traces) for t in traces[category]]
     if args.save_traces:
         Path(args.save_traces).write_text(json.dumps(traces))
-    alpha = {k: round(statistics.fmean(x for t in v for x in t), 3) for k, v in traces.items()}
+    alpha = {k: round(statistics.fmean(x for t in v for x in t["agrees"]), 3) for k, v in traces.items()}
+    sure = {k: round(statistics.fmean(x for t in v for x in t["confidence"]), 3) for k, v in traces.items()}
     print("greedy agreement per position:", alpha)
+    print("the draft's mean probability of its token:", sure)
 
     replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None)}
     for name, settings in VARIANTS.items():
@@ -221,10 +243,12 @@ def main() -> None:
         print(f"{name:>14}: " + "  ".join(cells))
     result = {
         "draft": args.draft,
+        "prompts": str(args.prompts),
         "gamma": args.gamma,
         "dtype": str(dtype).removeprefix("torch."),
         "cost_model": {"c": args.c, "v": args.v},
         "agreement": alpha,
+        "confidence": sure,
         "replayed": replayed,
     }
     if args.time:

@@ -303,7 +303,7 @@ def _chain_round(
     # 3. Accept a prefix of each proposal, then one token from the target after it.
     n_accepted, next_token = accept(proposal, verification.logits, options.sampling, generator)
     if progress.pacer is not None:
-        progress.pacer.record(live, proposal.counts, n_accepted, draft_s, verify_s)
+        progress.pacer.record(live, proposal.counts, n_accepted, draft_s, verify_s, proposal.confidence)
 
     # 4. Commit: the drafter sees what verification produced for the committed rows (x_n and the
     #    accepted drafts); emit, then roll both caches back to the committed tokens except the

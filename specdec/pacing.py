@@ -9,9 +9,10 @@ would otherwise run slower than the target alone.
 
 The pacer estimates each term from what the decoder sees in the call being decoded: ``a`` per
 sequence from its accepted counts (slowly decayed, so that it follows the text, and started from a
-prior, so that a few rejections by chance do not pause a draft that pays), and the three times as
-moving averages of the round loop's own clock laps. A paused sequence proposes nothing (budget 0):
-its round steps the target on ``[x_n]`` alone (a plain one-row step unless
+prior centred on the draft's own probability of its tokens, so that a few rejections by chance do
+not pause a draft that pays and a draft unsure of everything it proposes is paused at once), and
+the three times as moving averages of the round loop's own clock laps. A paused sequence proposes
+nothing (budget 0): its round steps the target on ``[x_n]`` alone (a plain one-row step unless
 ``DecodeOptions.exact_pauses``) and emits the target's token, which is exact for greedy and
 sampled decoding alike (there is no draft token to accept or reject). Every ``probe_every`` paused
 rounds it drafts one round again, so a sequence whose text turns predictable resumes. The drafter
@@ -56,6 +57,11 @@ class PaceSettings:
     clearly drafting must pay (with the step taken as costly as a verification) to go on without
     timing one. backoff: each probe in a row after which drafting still does not pay multiplies the
     paused rounds before the next by this (1: every ``probe_every`` rounds), up to ``probe_max``.
+    confidence: once a sequence has drafted and its drafter reports how sure it was (the draft's
+    probability of each drafted token, ``Proposal.confidence``), the prior is this many counts split
+    as the draft's mean probability of the tokens verification judged (decayed as the counts are);
+    0 keeps the fixed ``prior``. A trained draft's probability of its token tracks its acceptance, and
+    arrives with the first proposal, where 0/1 outcomes need several rounds to tell 0.07 from 0.3.
 
     The defaults were chosen by replaying the pacer over greedy agreement traces of a trained draft on
     held-out prompts and over synthetic ones of fixed acceptance (``benchmarks/pacing.py``): the
@@ -68,6 +74,7 @@ class PaceSettings:
     probe_every: int = 4
     decay: float = 0.97
     prior: tuple[float, float] = (0.5, 1.0)
+    confidence: float = 6.0
     margin: float = 1.5
     backoff: float = 2.0
     probe_max: int = 32
@@ -80,6 +87,8 @@ class PaceSettings:
             problems.append(f"decay must be in (0, 1], got {self.decay}")
         if len(self.prior) != 2 or min(self.prior) < 0:
             problems.append(f"prior must be two counts >= 0 (accepted, rejected), got {self.prior!r}")
+        if self.confidence < 0:
+            problems.append(f"confidence must be a count >= 0 (0: the fixed prior), got {self.confidence}")
         if self.margin < 1:
             problems.append(f"margin must be >= 1, got {self.margin}")
         if self.backoff < 1:
@@ -102,6 +111,8 @@ class Pacer:
     rejected: list[float] = field(init=False)  # decayed rejections, per sequence
     paused_for: list[int] = field(init=False)  # paused rounds in a row, per sequence
     probes: list[int] = field(init=False)  # probe rounds in a row after which drafting still did not pay
+    sure: list[float] = field(init=False)  # decayed sum of the draft's probability of its verified tokens
+    judged: list[float] = field(init=False)  # decayed count of those tokens
     resuming: bool = field(init=False, default=False)  # a sequence drafts this round after paused rounds
     draft_s: Average = field(default_factory=Average)  # seconds of drafting, per drafting round
     verify_s: Average = field(default_factory=Average)  # seconds of a verification with drafts
@@ -112,11 +123,23 @@ class Pacer:
         self.rejected = [0.0] * self.batch_size
         self.paused_for = [0] * self.batch_size
         self.probes = [0] * self.batch_size
+        self.sure = [0.0] * self.batch_size
+        self.judged = [0.0] * self.batch_size
+
+    def prior(self, seq: int) -> tuple[float, float]:
+        """The (accepted, rejected) counts ``seq``'s estimate starts from: the fixed prior, or with
+        ``settings.confidence`` and once the draft has drafted for it, that many counts split as the
+        draft's mean probability of its verified tokens."""
+        weight = self.settings.confidence
+        if weight == 0 or self.judged[seq] == 0:
+            return self.settings.prior
+        sure = self.sure[seq] / self.judged[seq]
+        return weight * sure, weight * (1 - sure)
 
     def alpha(self, seq: int) -> float:
         """The per-position acceptance estimated for sequence ``seq``: accepted / (accepted +
         rejections), its decayed counts added to the prior's."""
-        prior = self.settings.prior
+        prior = self.prior(seq)
         accepted = self.accepted[seq] + prior[0]
         seen = accepted + self.rejected[seq] + prior[1]
         return accepted / seen if seen else 1.0
@@ -154,9 +177,16 @@ class Pacer:
         return decisions
 
     def record(
-        self, live: list[int], proposed: torch.Tensor, accepted: torch.Tensor, draft_s: float, verify_s: float
+        self,
+        live: list[int],
+        proposed: torch.Tensor,
+        accepted: torch.Tensor,
+        draft_s: float,
+        verify_s: float,
+        confidence: torch.Tensor | None = None,
     ) -> None:
-        """What a round did: tokens proposed and accepted per row (B,), and its draft and verification
+        """What a round did: tokens proposed and accepted per row (B,), the draft's probability of
+        each drafted token (B, G) when the drafter gave it, and the round's draft and verification
         seconds. draft_s runs from the end of the previous round's verification, so it holds that
         round's bookkeeping too (accepting, committing, the pacer's own decisions): a plain round is
         timed as draft_s + verify_s, the same span a drafting round is, and not by its forward alone,
@@ -168,9 +198,14 @@ class Pacer:
         # rounds' tokens: it may lower the estimate of a drafting round, never raise it.
         self.draft_s.add(min(draft_s, self.draft_s.value) if self.resuming and self.draft_s.value else draft_s)
         self.verify_s.add(verify_s)
-        for seq, offered, kept in zip(live, proposed.tolist(), accepted.tolist(), strict=True):
+        sure = confidence.tolist() if confidence is not None else None
+        for row, (seq, offered, kept) in enumerate(zip(live, proposed.tolist(), accepted.tolist(), strict=True)):
             if offered == 0:
                 continue
             decay = self.settings.decay
             self.accepted[seq] = decay * self.accepted[seq] + kept
             self.rejected[seq] = decay * self.rejected[seq] + (1 if kept < offered else 0)
+            if sure is not None:  # the tokens verification judged: the accepted ones and the first rejected
+                judged = sure[row][: min(kept + 1, offered)]
+                self.sure[seq] = decay * self.sure[seq] + sum(judged)
+                self.judged[seq] = decay * self.judged[seq] + len(judged)

@@ -26,6 +26,9 @@ class Proposal:
     # (B, G+1, H): hidden states of the verification inputs [x_n, d_1 .. d_G] after the layers the
     # draft shares with the target, when it does (the target starts from them); else None.
     reusable: torch.Tensor | None = None
+    # (B, G): the draft's probability of each drafted token (processed q when sampling, softmax when
+    # greedy), the evidence pacing reads before any verification; None when the round was not paced.
+    confidence: torch.Tensor | None = None
 
     @property
     def steps(self) -> int:
@@ -35,11 +38,14 @@ class Proposal:
 
 def draft_step(
     logits: torch.Tensor, options: DecodeOptions, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One draft token from draft logits (B, V): (token (B,), q (B, V) or None, confident (B,) or None).
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """One draft token from draft logits (B, V): (token (B,), q (B, V) or None, confident (B,) or
+    None, confidence (B,) or None).
 
     q is the processed distribution the token was drawn from, None when the draft took its argmax
-    (q is then one-hot). ``confident`` is whether ``max q`` reaches the confidence threshold.
+    (q is then one-hot). ``confident`` is whether ``max q`` reaches the confidence threshold;
+    ``confidence`` (with ``options.pace``) is the probability the draft gave its token. Both are
+    judged on the processed distribution, as when sampling (a greedy draft: the plain softmax).
     """
     sampling = options.sampling
     if sampling.greedy or options.draft_greedy:
@@ -47,19 +53,34 @@ def draft_step(
     else:
         q = process_logits(logits, sampling)
         token = sample(q, generator)
-    if options.confidence_threshold is None:
-        return token, q, None
+    if options.confidence_threshold is None and not options.pace:
+        return token, q, None, None
     judged = q
-    if judged is None:  # confidence is judged on the processed distribution, as when sampling
+    if judged is None:
         judged = logits.float().softmax(-1) if sampling.greedy else process_logits(logits, sampling)
-    return token, q, judged.max(-1).values >= options.confidence_threshold
+    confident = None
+    if options.confidence_threshold is not None:
+        confident = judged.max(-1).values >= options.confidence_threshold
+    confidence = judged.gather(-1, token[:, None])[:, 0].float() if options.pace else None
+    return token, q, confident, confidence
 
 
-def stack_proposal(drafted: list[torch.Tensor], probs: list[torch.Tensor], counts: torch.Tensor) -> Proposal:
-    """A ``Proposal`` from per-step tokens (B,) and q (B, V) (empty when drafted greedily)."""
+def stack_proposal(
+    drafted: list[torch.Tensor],
+    probs: list[torch.Tensor],
+    counts: torch.Tensor,
+    confidence: list[torch.Tensor] | None = None,
+) -> Proposal:
+    """A ``Proposal`` from per-step tokens (B,), q (B, V) (empty when drafted greedily) and the
+    draft's probability of each token (B,) (empty or None when not computed)."""
     empty = torch.zeros(len(counts), 0, dtype=torch.long, device=counts.device)
     tokens = torch.stack(drafted, 1) if drafted else empty
-    return Proposal(tokens=tokens, probs=torch.stack(probs, 1) if probs else None, counts=counts)
+    return Proposal(
+        tokens=tokens,
+        probs=torch.stack(probs, 1) if probs else None,
+        counts=counts,
+        confidence=torch.stack(confidence, 1) if confidence else None,
+    )
 
 
 # next_logits(token, active): the draft's logits (B, V) for its next position. token (B,): the
@@ -80,16 +101,19 @@ def draft_chain(
     counts = torch.zeros_like(budget)
     drafted: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
+    confidence: list[torch.Tensor] = []
     token = None
     for i in range(int(budget.max()) if len(budget) else 0):
-        token, q, confident = draft_step(next_logits(token, active), options, generator)
+        token, q, confident, sure = draft_step(next_logits(token, active), options, generator)
         drafted.append(token)
         if q is not None:
             probs.append(q)
+        if sure is not None:
+            confidence.append(sure)
         counts += active.long()
         if confident is not None:
             active &= confident
         active &= budget > i + 1
         if not bool(active.any()):
             break
-    return stack_proposal(drafted, probs, counts)
+    return stack_proposal(drafted, probs, counts, confidence)

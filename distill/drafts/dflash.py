@@ -327,7 +327,7 @@ class DFlashDrafter:
         last = torch.tensor([sequence[-1] for sequence in sequences], device=self.draft.device)
         rows = iter(self.block_logits(last, width).unbind(1))  # (B, V) each: q_1 .. q_width
         proposal = draft_chain(lambda token, active: next(rows), budget, options, generator)
-        return ParallelProposal(proposal.tokens, proposal.probs, proposal.counts)
+        return ParallelProposal(proposal.tokens, proposal.probs, proposal.counts, confidence=proposal.confidence)
 
     def rollback(self, keep: torch.Tensor) -> None:
         """The cache holds one row less than the committed tokens, so nothing is dropped unless asked."""

@@ -284,7 +284,7 @@ class ParallelDrafter:
             return ParallelProposal(proposal.tokens, None, proposal.counts, forwards=0)
         rows = iter(self.draft_rows(sequences, budget > 0, width).unbind(1))  # (B, V) each: q_1 .. q_width
         proposal = draft_chain(lambda token, active: next(rows), budget, options, generator)
-        return ParallelProposal(proposal.tokens, proposal.probs, proposal.counts)
+        return ParallelProposal(proposal.tokens, proposal.probs, proposal.counts, confidence=proposal.confidence)
 
     def rollback(self, keep: torch.Tensor) -> None:
         """The cache holds only committed tokens, so nothing is dropped unless ``keep`` asks for it."""

@@ -106,8 +106,8 @@ def raw_q(real_step):
     """The draft samples from its processed q but reports its raw softmax to the acceptance rule."""
 
     def step(logits, options, generator):
-        token, _, confident = real_step(logits, options, generator)
-        return token, logits.float().softmax(-1), confident
+        token, _, confident, confidence = real_step(logits, options, generator)
+        return token, logits.float().softmax(-1), confident, confidence
 
     return step
 

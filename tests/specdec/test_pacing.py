@@ -14,6 +14,7 @@ from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer, PaceSettings, expected_tokens
+from draftsmith.specdec.proposal import draft_chain
 from draftsmith.specdec.sampling import SamplingParams
 from tests.helpers import assert_fits, noisy_copy, sample_spec, tiny_llama, tiny_tokenizer
 
@@ -151,6 +152,55 @@ def test_probes_that_find_drafting_still_not_paying_come_ever_later_until_one_pa
     assert [pacer.drafts([0])[0] for _ in range(4)] == [False, False, False, True]
 
 
+def test_the_drafts_own_confidence_centres_the_prior():
+    # gamma 1, c 0.13, v 1.0: drafting pays above alpha 0.13. The prior is 6 counts split as the
+    # draft's mean probability of its verified tokens (decayed like the outcomes).
+    def after(outcomes, sure, settings=PaceSettings()):
+        pacer = timed_pacer(1, 0.13, 1.0, 1.0)
+        pacer.settings = settings
+        for kept in outcomes:
+            pacer.record([0], torch.tensor([1]), torch.tensor([kept]), 0.13, 1.0, torch.tensor([[sure]]))
+        return pacer
+
+    # A draft unsure of its token (0.05) whose first proposal is rejected: 0.3 / 7 = 0.043, paused
+    # at once; the fixed prior would draft again (0.5 / 2.5 = 0.2).
+    unsure = after([0], 0.05)
+    assert unsure.alpha(0) == pytest.approx(0.3 / 7) and not unsure.drafting_pays(0)
+    assert after([0], 0.05, PaceSettings(confidence=0.0)).drafting_pays(0)
+    # A draft that gives its tokens 0.5 drafts on through three rejections in a row (3 / 8.91 = 0.34);
+    # the fixed prior pauses it (0.5 / 4.41 = 0.11).
+    sure = after([0, 0, 0], 0.5)
+    assert sure.alpha(0) == pytest.approx(3 / (3 + 2.9127 + 3), abs=1e-4) and sure.drafting_pays(0)
+    assert not after([0, 0, 0], 0.5, PaceSettings(confidence=0.0)).drafting_pays(0)
+    # gamma 3: the tokens verification judged are the accepted ones and the first rejected (0.4 and
+    # 0.2 here; the third, never judged, does not count), so the prior's centre is 0.3.
+    chain = timed_pacer(3, 0.13, 1.0, 1.0)
+    chain.record([0], torch.tensor([3]), torch.tensor([1]), 0.4, 1.0, torch.tensor([[0.4, 0.2, 0.9]]))
+    assert chain.prior(0) == pytest.approx((6 * 0.3, 6 * 0.7))
+    # No confidence given (a drafter that does not report it): the fixed prior.
+    plain = timed_pacer(3, 0.13, 1.0, 1.0)
+    plain.record([0], torch.tensor([3]), torch.tensor([1]), 0.4, 1.0)
+    assert plain.prior(0) == (0.5, 1.0) and plain.alpha(0) == pytest.approx(1.5 / 3.5)
+
+
+def test_a_paced_proposal_carries_the_drafts_probability_of_each_token():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 0.0]])
+    probs = logits.softmax(-1)
+
+    def next_logits(token, active):
+        return logits
+
+    budget = torch.tensor([2, 1])
+    greedy = draft_chain(next_logits, budget, DecodeOptions(gamma=2, pace=True), None)
+    assert greedy.tokens[:, 0].tolist() == [0, 2]
+    assert torch.allclose(greedy.confidence[:, 0], probs.max(-1).values)
+    assert draft_chain(next_logits, budget, DecodeOptions(gamma=2), None).confidence is None
+    sampling = DecodeOptions(gamma=2, pace=True, sampling=SamplingParams(temperature=1.0))
+    sampled = draft_chain(next_logits, budget, sampling, torch.Generator().manual_seed(0))
+    drawn = sampled.tokens[:, 0]
+    assert torch.allclose(sampled.confidence[:, 0], probs.gather(-1, drawn[:, None])[:, 0])
+
+
 def decode(target, draft, prompts, gamma, pace, **sampling):
     options = DecodeOptions(gamma=gamma, pace=pace, sampling=SamplingParams(**sampling))
     return speculative_generate(target, draft, prompts, 24, options, generator=torch.Generator().manual_seed(0))
@@ -267,6 +317,7 @@ def test_pace_settings_are_decode_options_and_bad_ones_are_refused(target):
         ({"probe_every": 0}, "probe_every must be an integer >= 1"),
         ({"decay": 1.5}, "decay must be in"),
         ({"prior": (-1.0, 1.0)}, "prior must be two counts"),
+        ({"confidence": -1.0}, "confidence must be a count >= 0"),
         ({"backoff": 0.5}, "backoff must be >= 1"),
         ({"probe_every": 8, "probe_max": 4}, "probe_max \\(4\\) must be at least probe_every \\(8\\)"),
     ):

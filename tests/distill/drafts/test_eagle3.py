@@ -302,8 +302,8 @@ def reported(make_q):
     real_step = proposal.draft_step
 
     def step(logits, options, generator):
-        token, q, confident = real_step(logits, options, generator)
-        return token, make_q(logits, q), confident
+        token, q, confident, confidence = real_step(logits, options, generator)
+        return token, make_q(logits, q), confident, confidence
 
     return step
 
