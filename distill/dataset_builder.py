@@ -217,6 +217,8 @@ def check_settings(folder: Path, settings: BuildSettings) -> dict | None:
     old, new = {"engine": "draftsmith", **manifest["settings"]}, settings.to_dict()
     if same_model(old["target"], new["target"]):  # the target's folder named another way (a link, a trailing /)
         new["target"] = old["target"]
+    if grows_topics(old.get("prompt_source") or {}, new["prompt_source"]):  # the rows it has keep their meaning
+        old = {**old, "prompt_source": {**old["prompt_source"], "topics": new["prompt_source"]["topics"]}}
     name = changed_field(old, new)
     if name is not None:
         raise DraftsmithError(
@@ -224,6 +226,16 @@ def check_settings(folder: Path, settings: BuildSettings) -> dict | None:
             "rows made two ways would mix. Write to a new --output folder, or keep the dataset's setting"
         )
     return manifest
+
+
+def grows_topics(old: dict, new: dict) -> bool:
+    """Whether self-written prompts steered by ``old``'s topics may go on under ``new``'s: every old
+    topic is still asked for (each keeps the prompts it has) and the rest is new. Writing without
+    topics is another mix, and stays one."""
+    before, after = old.get("topics"), new.get("topics")
+    if old.get("kind") != "self" or new.get("kind") != "self" or not before or not after:
+        return False
+    return set(before) <= set(after)
 
 
 def open_dataset(folder: Path, settings: BuildSettings, group: ProcessGroup, engine: dict) -> dict:

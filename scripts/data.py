@@ -77,6 +77,12 @@ examples:
   draftsmith data --prompts questions.csv --column-map prompt=question --output data/q
   accelerate launch -m draftsmith.cli data --prompts self --num-prompts 100000 --output data/big
   draftsmith data --engine vllm --prompts self --num-prompts 20000 --samples-per-prompt 4 --output data/v
+  draftsmith data --prompts self --num-prompts 3000 --topics coding,math,chat,translation --output data/smol-self
+
+An existing --output folder is continued with the settings it was built with: an interrupted build
+finishes, a larger --num-prompts adds prompts, and self-written prompts may add topics (the last
+example grows the first one by 1000 prompts: 750 for the new topic and 250 more for the old ones;
+the rows it has are kept).
 
 The folder is a standard dataset: data/train-*.parquet and a dataset card README.md (datasets.load_dataset(FOLDER,
 split="train") reads it), beside manifest.json; `distill` trains from it by path once the build is complete."""

@@ -113,10 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-greedy", action="store_true", help="the draft proposes its argmax even when sampling")
     p.add_argument(
         "--exact-pauses",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="with --pace, a paused round of one sequence steps the target as a verification does (two rows in "
-        "bfloat16), so that greedy output is the row-exact target's bit for bit; by default it is the target's "
-        "plain one-row step, as fast as the target alone (1.5 %% faster on a native-bfloat16 CPU)",
+        "bfloat16), so that greedy output is the row-exact target's bit for bit (default: on); "
+        "--no-exact-pauses makes it the target's plain one-row step, 1.5 %% faster on a native-bfloat16 CPU, "
+        "but in bfloat16 a near-tie in an answer that mixes the two steps may then be decided either way",
     )
     p.add_argument(
         "--cache", choices=CACHE_KINDS, default=None, help="KV cache kind (default: slot on CPU, static on CUDA)"

@@ -38,11 +38,12 @@ class DecodeOptions:
         and back-off); read only with ``pace``.
     exact_pauses: with ``pace``, a round where no sequence drafts steps the target as a
         verification would (two rows for one sequence in 16-bit dtypes, ``stream``), so that greedy
-        output is the row-exact target's bit for bit. Off (the default), such a round is the target's
+        output is the row-exact target's bit for bit (the default). Off, such a round is the target's
         plain one-row step, as fast as the target alone (the two-row step measured 1.5 % slower on a
-        native-bfloat16 CPU): a sequence whose draft does not pay then costs what plain decoding
-        costs, and in 16-bit dtypes a near-tie at a paused position is decided as plain decoding
-        decides it. Only one-sequence batches and 16-bit dtypes differ; unpaced rounds are row-exact.
+        native-bfloat16 CPU), but a paced answer then mixes one-row and two-row steps, whose logits
+        differ in the last bit in 16-bit dtypes: a near-tie can be decided as neither plain decoding
+        nor the row-exact target decides it. Only one-sequence batches and 16-bit dtypes differ;
+        unpaced rounds are row-exact.
     compile: run the decoding steps of both models as compiled graphs over static caches
         (``compiled``; CUDA graphs on CUDA); None compiles on CUDA and decodes eager elsewhere.
         Token trees always decode eager; a draft with its own decoding pair may too.
@@ -58,7 +59,7 @@ class DecodeOptions:
     tree: TreeShape | None = None
     pace: bool = False
     pace_settings: PaceSettings = PaceSettings()
-    exact_pauses: bool = False
+    exact_pauses: bool = True
     compile: bool | None = None
 
     def __post_init__(self) -> None:

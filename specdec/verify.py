@@ -95,7 +95,7 @@ class TargetVerifier:
         cache_kind = options.cache_kind or default_cache_kind(target.device)
         widths = options.verify_widths if options.tree is None else {}
         # A forward of one token for one sequence is a round where nothing drafts: paused, or the
-        # last token of an answer; paused rounds step as plain decoding does unless exact_pauses.
+        # last token of an answer; paused rounds step as plain decoding does when exact_pauses is off.
         row_exact = not options.pace or options.exact_pauses
         return cls(target, batch_size, capacity, cache_kind, widths, compiled, feature_layers, row_exact)
 

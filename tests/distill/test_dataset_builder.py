@@ -245,3 +245,28 @@ def test_self_written_prompts_are_kept_per_round_and_extended(tmp_path, model, t
     assert manifest["counts"]["rows_by_topic"] == {"coding": 3, "math": 3}
     texts = [row["messages"][0]["content"] for row in grown.values()]
     assert len(set(texts)) == 6
+
+
+def test_self_written_prompts_grow_by_a_topic_and_keep_the_rows_they_have(tmp_path, model, tokenizer):
+    two = SelfPromptSettings(topics=("coding", "math"), max_tokens=64)
+    request = SelfPromptRequest(4, two, PromptFilter(require_request=False))
+    build(tmp_path / "d", model, tokenizer, request, settings(prompt_source=request.source_settings()), batch_size=16)
+    first = rows_by_key(tmp_path / "d")
+    three = SelfPromptSettings(topics=("coding", "math", "translation"), max_tokens=64)
+    request = SelfPromptRequest(6, three, PromptFilter(require_request=False))
+    config = settings(prompt_source=request.source_settings())
+    manifest = build(tmp_path / "d", model, tokenizer, request, config, batch_size=16)
+    grown = rows_by_key(tmp_path / "d")
+    assert {k: r["answer_ids"] for k, r in grown.items() if k in first} == {
+        k: r["answer_ids"] for k, r in first.items()
+    }
+    assert manifest["counts"]["rows_by_topic"] == {"coding": 2, "math": 2, "translation": 2}
+    assert manifest["settings"]["prompt_source"]["topics"] == ["coding", "math", "translation"]
+    # A topic left out, or no steering at all, is another mix: refused, naming the field.
+    for topics in (("coding", "translation"), ()):
+        other = SelfPromptRequest(
+            6, SelfPromptSettings(topics=topics, max_tokens=64), PromptFilter(require_request=False)
+        )
+        with pytest.raises(DraftsmithError, match=r"built with prompt_source\.topics="):
+            build(tmp_path / "d", model, tokenizer, other, settings(prompt_source=other.source_settings()))
+    assert len(load_built(tmp_path / "d")) == 6

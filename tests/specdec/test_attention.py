@@ -89,10 +89,12 @@ def test_the_timed_baseline_steps_one_row_and_the_reference_two():
     assert plain == exact  # a toy model of this width has no near-ties to split
 
 
-def test_a_paused_round_is_a_plain_step_unless_pauses_are_exact(monkeypatch):
-    """Paced decoding: a round where the one sequence does not draft steps the target one row, as the
-    target alone does; with exact_pauses it steps two rows, as a verification computes, and the output
-    is the row-exact target's bit for bit. Unpaced, the last token's draft-less round is row-exact."""
+def test_a_paused_round_is_row_exact_unless_pauses_are_plain(monkeypatch):
+    """Paced decoding: a round where the one sequence does not draft steps the target two rows, as a
+    verification computes (the default), and the output is the row-exact target's bit for bit; with
+    exact_pauses off it steps one row, as the target alone does. Unpaced, the last token's draft-less
+    round is row-exact."""
+    assert DecodeOptions(pace=True).exact_pauses
     target = tiny_llama(vocab=512, layers=2, hidden=64)
     draft = noisy_copy(target, 0.5).to(torch.bfloat16)
     target = target.to(torch.bfloat16)
@@ -135,7 +137,7 @@ def test_bfloat16_self_speculative_output_is_the_targets(wide_pair):
     draft = EarlyExitDraft(target, 3, adapter=False)
     for seed, length in enumerate((9, 50)):
         prompt = _tokens(length, 20 + seed)[0].tolist()
-        want, _ = target_generate(target, [prompt], 60)
+        want, _ = target_generate(target, [prompt], 60, row_exact=True)
         for gamma, widths in ((1, {}), (3, {}), (3, {1: 2, 2: 4, 3: 4, 4: 6})):
             options = DecodeOptions(gamma=gamma, verify_widths=widths)
             got, stats = speculative_generate(target, draft, [prompt], 60, options=options)
@@ -147,7 +149,7 @@ def test_bfloat16_greedy_tree_output_is_the_targets(wide_pair):
     target, draft = wide_pair
     for seed, length in enumerate((7, 45)):
         prompt = _tokens(length, 30 + seed)[0].tolist()
-        want, _ = target_generate(target, [prompt], 50)
+        want, _ = target_generate(target, [prompt], 50, row_exact=True)
         for shape in ("3,2,1,1", "3,2,2,1:8"):
             options = DecodeOptions(tree=TreeShape.parse(shape))
             got, stats = speculative_generate(target, draft, [prompt], 50, options=options)
