@@ -154,9 +154,9 @@ def test_the_old_layout_loads_and_is_converted_once(built, model, tokenizer, cap
 def test_the_shipped_dataset_is_in_the_standard_layout():
     folder = dataset_builder.SHIPPED / "smollm2-self"
     assert not (folder / "shards").exists()
-    assert len(list((folder / "data").glob("train-r0-*.parquet"))) == 10
+    assert len(list((folder / "data").glob("train-*-r0-*.parquet"))) == 12
     card = yaml.safe_load((folder / "README.md").read_text().split("---\n")[1])
-    assert card["draftsmith"]["rows"] == 2400 and card["draftsmith"]["complete"] is True
+    assert card["draftsmith"]["rows"] == 2800 and card["draftsmith"]["complete"] is True
     check_trusted(folder, "smollm2-135m-instruct")
 
 

@@ -16,7 +16,7 @@ def test_the_default_config_trains_on_the_shipped_dataset_by_name():
     folder = dataset_builder.built_folder(cfg.data.dataset)
     assert folder == dataset_builder.SHIPPED / "smollm2-self"
     counts = dataset_builder.read_manifest(folder)["counts"]
-    assert (counts["rows"], counts["answer_tokens"]) == (2400, 453996)
+    assert (counts["rows"], counts["answer_tokens"]) == (2800, 511310)
 
     # The answers are in the folder: nothing is generated, so no target is needed.
     train, held = build_examples(cfg, target=None, tokenizer=None, accelerator=None)
