@@ -145,11 +145,12 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
     # target steps one row, as plain decoding runs fastest)
     reference = [target_generate(target, [p], args.max_new_tokens, eos_ids=eos, row_exact=True)[0] for p in prompts]
     fixed_prior = PaceSettings(confidence=0.0)
+    paced = {"pace": True, "exact_pauses": args.exact_pauses}
     runs = {
         "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
-        "paced": DecodeOptions(gamma=args.gamma, pace=True),
-        "paced, fixed prior": DecodeOptions(gamma=args.gamma, pace=True, pace_settings=fixed_prior),
-        "never drafting": DecodeOptions(gamma=args.gamma, pace=True),  # with the NeverDrafts pacer
+        "paced": DecodeOptions(gamma=args.gamma, **paced),
+        "paced, fixed prior": DecodeOptions(gamma=args.gamma, pace_settings=fixed_prior, **paced),
+        "never drafting": DecodeOptions(gamma=args.gamma, **paced),  # with the NeverDrafts pacer
     }
     order = ["target", *runs]
     for options in runs.values():  # warm-up, not timed: a process's first decoding calls run slow
@@ -203,6 +204,13 @@ def main() -> None:
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
+        "--exact-pauses",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="paused rounds step the target as a verification does, greedy output bit-identical (the decoder's "
+        "default); --no-exact-pauses times them as the plain one-row step",
+    )
+    p.add_argument(
         "--categories",
         default=None,
         help="only the held-out prompts of these categories (comma-separated): a short answer times in "
@@ -252,7 +260,7 @@ def main() -> None:
         "replayed": replayed,
     }
     if args.time:
-        result["timed"] = timed(target, draft, prompts, categories, eos, args)
+        result["timed"] = {"exact_pauses": args.exact_pauses, **timed(target, draft, prompts, categories, eos, args)}
         print("timed:", result["timed"])
     print(machine()["cpu"])
     save(args.name, result)
