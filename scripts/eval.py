@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="with --pace, a paused round of one sequence steps the target as a verification does (two rows in "
         "bfloat16), so that greedy output is the row-exact target's bit for bit (default: on); "
-        "--no-exact-pauses makes it the target's plain one-row step, 1.5 %% faster on a native-bfloat16 CPU, "
+        "--no-exact-pauses makes it the target's plain one-row step, 1.5-5 %% faster on native-bfloat16 CPUs, "
         "but in bfloat16 a near-tie in an answer that mixes the two steps may then be decided either way",
     )
     p.add_argument(
