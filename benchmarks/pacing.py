@@ -67,6 +67,8 @@ VARIANTS = {
     "confidence 3": PaceSettings(confidence=3.0),
     "confidence 12": PaceSettings(confidence=12.0),
     "confidence 3, probe 8": PaceSettings(confidence=3.0, probe_every=8),
+    "margin 1.2": PaceSettings(margin=1.2),
+    "margin 1": PaceSettings(margin=1.0),
 }
 
 
@@ -84,9 +86,10 @@ def agreement(target, draft, prompt: list[int], answer: list[int]) -> dict:
     }
 
 
-def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None) -> dict:
+def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None, pause: float = 1.0) -> dict:
     """One sequence decoded by the chain rounds the ``pacer`` (None: never paused) chooses, under the
-    cost model: tokens, model time, rounds and paused rounds."""
+    cost model: tokens, model time, rounds and paused rounds. ``pause``: a round without drafts, in
+    target steps (1 for the plain one-row step, v for a row-exact one)."""
     agrees, sure = trace["agrees"], trace["confidence"]
     n, pos, spent, rounds, paused = len(agrees), 0, 0.0, 0, 0
     while pos < n:
@@ -95,9 +98,9 @@ def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None) -> 
         rounds += 1
         if g == 0:
             paused += go is False
-            spent += 1.0
+            spent += pause
             if pacer is not None:
-                pacer.record([0], torch.tensor([0]), torch.tensor([0]), 0.0, 1.0)
+                pacer.record([0], torch.tensor([0]), torch.tensor([0]), 0.0, pause)
             pos += 1
             continue
         kept = 0
@@ -111,11 +114,11 @@ def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None) -> 
     return {"tokens": n, "time": spent, "rounds": rounds, "paused": paused}
 
 
-def replay_all(traces: dict[str, list[dict]], gamma: int, c: float, v: float, make_pacer) -> dict:
+def replay_all(traces: dict[str, list[dict]], gamma: int, c: float, v: float, make_pacer, pause: float = 1.0) -> dict:
     """Per category: the model's speedup (target time = tokens) and the share of rounds paused."""
     out = {}
     for category, sequences in traces.items():
-        runs = [replay(a, gamma, c, v, make_pacer()) for a in sequences]
+        runs = [replay(a, gamma, c, v, make_pacer(), pause) for a in sequences]
         tokens, spent = sum(r["tokens"] for r in runs), sum(r["time"] for r in runs)
         out[category] = {
             "speedup": round(tokens / spent, 4),
@@ -243,9 +246,12 @@ def main() -> None:
     print("greedy agreement per position:", alpha)
     print("the draft's mean probability of its token:", sure)
 
-    replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None)}
+    # a round without drafts costs what the decoder's paused rounds cost: a row-exact step, v
+    pause = args.v if args.exact_pauses else 1.0
+    replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None, pause)}
     for name, settings in VARIANTS.items():
-        replayed[name] = replay_all(traces, args.gamma, args.c, args.v, lambda s=settings: Pacer(args.gamma, 1, s))
+        make = lambda s=settings: Pacer(args.gamma, 1, s)  # noqa: E731
+        replayed[name] = replay_all(traces, args.gamma, args.c, args.v, make, pause)
     for name, by_category in replayed.items():
         cells = (f"{k} {r['speedup']:.3f} ({r['paused_share']:.2f})" for k, r in by_category.items())
         print(f"{name:>14}: " + "  ".join(cells))
@@ -254,7 +260,7 @@ def main() -> None:
         "prompts": str(args.prompts),
         "gamma": args.gamma,
         "dtype": str(dtype).removeprefix("torch."),
-        "cost_model": {"c": args.c, "v": args.v},
+        "cost_model": {"c": args.c, "v": args.v, "pause": pause},
         "agreement": alpha,
         "confidence": sure,
         "replayed": replayed,
