@@ -68,7 +68,7 @@ VARIANTS = {
     "confidence 12": PaceSettings(confidence=12.0),
     "confidence 3, probe 8": PaceSettings(confidence=3.0, probe_every=8),
     "margin 1.2": PaceSettings(margin=1.2),
-    "margin 1": PaceSettings(margin=1.0),
+    "margin 1.5": PaceSettings(margin=1.5),
 }
 
 
@@ -89,9 +89,11 @@ def agreement(target, draft, prompt: list[int], answer: list[int]) -> dict:
 def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None, pause: float = 1.0) -> dict:
     """One sequence decoded by the chain rounds the ``pacer`` (None: never paused) chooses, under the
     cost model: tokens, model time, rounds and paused rounds. ``pause``: a round without drafts, in
-    target steps (1 for the plain one-row step, v for a row-exact one)."""
+    target steps (1 for the plain one-row step, v for a row-exact one). The answer's first token
+    comes with the prompt's forward, for the target alone as for the decoder, so the rounds start at
+    the second and the target's time is one step per later token."""
     agrees, sure = trace["agrees"], trace["confidence"]
-    n, pos, spent, rounds, paused = len(agrees), 0, 0.0, 0, 0
+    n, pos, spent, rounds, paused = len(agrees), 1, 0.0, 0, 0
     while pos < n:
         go = pacer.drafts([0])[0] if pacer is not None else True
         g = min(gamma, n - pos - 1) if go else 0
@@ -111,7 +113,7 @@ def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None, pau
             confidence = torch.tensor([sure[pos : pos + g]])
             pacer.record([0], torch.tensor([g]), torch.tensor([kept]), c * g, v, confidence)
         pos += kept + 1
-    return {"tokens": n, "time": spent, "rounds": rounds, "paused": paused}
+    return {"tokens": n - 1, "time": spent, "rounds": rounds, "paused": paused}
 
 
 def replay_all(traces: dict[str, list[dict]], gamma: int, c: float, v: float, make_pacer, pause: float = 1.0) -> dict:
@@ -121,7 +123,7 @@ def replay_all(traces: dict[str, list[dict]], gamma: int, c: float, v: float, ma
         runs = [replay(a, gamma, c, v, make_pacer(), pause) for a in sequences]
         tokens, spent = sum(r["tokens"] for r in runs), sum(r["time"] for r in runs)
         out[category] = {
-            "speedup": round(tokens / spent, 4),
+            "speedup": round(tokens / spent, 4) if spent else 1.0,  # one-token answers: nothing to decode
             "paused_share": round(sum(r["paused"] for r in runs) / sum(r["rounds"] for r in runs), 3),
         }
     return out

@@ -42,8 +42,10 @@ class TickClock:
         return self.now
 
 
-def timed_pacer(gamma: int, draft: float, verify: float, step: float | None, alpha_counts=(0.0, 0.0)) -> Pacer:
-    pacer = Pacer(gamma, batch_size=1)
+def timed_pacer(
+    gamma: int, draft: float, verify: float, step: float | None, alpha_counts=(0.0, 0.0), **settings
+) -> Pacer:
+    pacer = Pacer(gamma, batch_size=1, settings=PaceSettings(**settings))
     pacer.draft_s.add(draft)
     pacer.verify_s.add(verify)
     if step is not None:
@@ -61,10 +63,13 @@ def test_drafting_pays_when_expected_tokens_outrun_its_cost():
     # counts (1, 3): alpha 1.5 / 5.5 gives 1.37 tokens for the same 1.6 steps: a plain step is faster.
     assert not timed_pacer(4, 0.4, 1.2, 1.0, (1.0, 3.0)).drafting_pays(0)
     # Before a plain step is timed, the step is taken as costly as a verification (1.2): alpha 3/7
-    # would pay 1.72 * 1.2 = 2.07 against 1.6, but not by the margin (1.5 * 1.6 = 2.4), so the next
-    # round is a plain one that times the step; alpha 4.5 / 5.5 (3.49 * 1.2 = 4.2) drafts on without it.
-    assert not timed_pacer(4, 0.4, 1.2, None, (1.0, 1.0)).drafting_pays(0)
-    assert timed_pacer(4, 0.4, 1.2, None, (4.0, 0.0)).drafting_pays(0)
+    # pays 1.72 * 1.2 = 2.07 against 1.6 and drafts on (the default margin, 1); with a margin of 1.5
+    # (1.5 * 1.6 = 2.4) the next round is a plain one that times the step, and alpha 4.5 / 5.5
+    # (3.49 * 1.2 = 4.2) drafts on without it. Counts (1, 5): 1.5 / 7.5 gives 1.25 tokens, 1.5 < 1.6.
+    assert timed_pacer(4, 0.4, 1.2, None, (1.0, 1.0)).drafting_pays(0)
+    assert not timed_pacer(4, 0.4, 1.2, None, (1.0, 5.0)).drafting_pays(0)
+    assert not timed_pacer(4, 0.4, 1.2, None, (1.0, 1.0), margin=1.5).drafting_pays(0)
+    assert timed_pacer(4, 0.4, 1.2, None, (4.0, 0.0), margin=1.5).drafting_pays(0)
     # Before any round is timed every sequence drafts; its estimate is the prior's.
     fresh = Pacer(4, batch_size=1)
     assert fresh.drafting_pays(0) and fresh.alpha(0) == pytest.approx(1 / 3)
@@ -216,8 +221,7 @@ def test_a_draft_that_never_agrees_is_paused_and_a_perfect_one_at_most_once(targ
     assert stats.paused > 0 and unpaced.paused == 0
     assert stats.proposed < unpaced.proposed and stats.draft_forwards < unpaced.draft_forwards
     out, stats = decode(target, target, PROMPTS, gamma=3, pace=True)
-    # A perfect draft is paused at most once per sequence: the plain round that times a step, taken
-    # while its estimate (prior included) is 0.78 after one round and drafting must clear the margin.
+    # A perfect draft is paused at most once per sequence (a plain round that times a step).
     assert out == expected and stats.paused <= len(PROMPTS)
     assert stats.accepted == stats.proposed  # a draft equal to the target: every round emits gamma + 1
 
