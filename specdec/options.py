@@ -40,9 +40,9 @@ class DecodeOptions:
         verification would (two rows for one sequence in 16-bit dtypes, ``stream``), so that greedy
         output is the row-exact target's bit for bit (the default). Off, such a round is the target's
         plain one-row step, as fast as the target alone (the two-row step measured 1.5 % slower on a
-        native-bfloat16 Xeon, 5 % on an EPYC), but a paced answer then mixes one-row and two-row steps, whose logits
-        differ in the last bit in 16-bit dtypes: a near-tie can be decided as neither plain decoding
-        nor the row-exact target decides it. Only one-sequence batches and 16-bit dtypes differ;
+        native-bfloat16 Xeon, 5 % on an EPYC), but a paced answer then mixes one-row and two-row
+        steps, whose logits differ in the last bit in 16-bit dtypes: a near-tie can be decided as
+        neither plain decoding nor the row-exact target decides it. Only one-sequence batches and 16-bit dtypes differ;
         unpaced rounds are row-exact.
     compile: run the decoding steps of both models as compiled graphs over static caches
         (``compiled``; CUDA graphs on CUDA); None compiles on CUDA and decodes eager elsewhere.

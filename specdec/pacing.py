@@ -12,8 +12,8 @@ sequence from its accepted counts (slowly decayed, so that it follows the text, 
 prior centred on the draft's own probability of its tokens, so that a few rejections by chance do
 not pause a draft that pays and a draft unsure of everything it proposes is paused at once), and
 the three times as moving averages of the round loop's own clock laps. A paused sequence proposes
-nothing (budget 0): its round steps the target on ``[x_n]`` alone (row-exact, as a verification steps it, unless
-``DecodeOptions.exact_pauses`` is off) and emits the target's token, which is exact for greedy and
+nothing (budget 0): its round steps the target on ``[x_n]`` alone (row-exact, as a verification
+steps it, unless ``DecodeOptions.exact_pauses`` is off) and emits the target's token, which is exact for greedy and
 sampled decoding alike (there is no draft token to accept or reject). Every ``probe_every`` paused
 rounds it drafts one round again, so a sequence whose text turns predictable resumes. The drafter
 reads the tokens of the paused rounds when it next drafts, as it reads x_n in any round.

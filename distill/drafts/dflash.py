@@ -323,11 +323,11 @@ class DFlashDrafter:
         width = int(budget.max())
         if width == 0:  # no sequence may draft
             proposal = stack_proposal([], [], torch.zeros_like(budget))
-            return ParallelProposal(proposal.tokens, None, proposal.counts, forwards=0)
+            return ParallelProposal.of(proposal, forwards=0)
         last = torch.tensor([sequence[-1] for sequence in sequences], device=self.draft.device)
         rows = iter(self.block_logits(last, width).unbind(1))  # (B, V) each: q_1 .. q_width
         proposal = draft_chain(lambda token, active: next(rows), budget, options, generator)
-        return ParallelProposal(proposal.tokens, proposal.probs, proposal.counts, confidence=proposal.confidence)
+        return ParallelProposal.of(proposal)
 
     def rollback(self, keep: torch.Tensor) -> None:
         """The cache holds one row less than the committed tokens, so nothing is dropped unless asked."""

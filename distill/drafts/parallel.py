@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -228,6 +228,11 @@ class ParallelProposal(Proposal):
 
     forwards: int = 1
 
+    @classmethod
+    def of(cls, proposal: Proposal, forwards: int = 1) -> ParallelProposal:
+        """``proposal`` (every field it has) as the work of ``forwards`` draft forwards."""
+        return cls(**{f.name: getattr(proposal, f.name) for f in fields(Proposal)}, forwards=forwards)
+
     @property
     def steps(self) -> int:
         return self.forwards
@@ -281,10 +286,10 @@ class ParallelDrafter:
         width = int(budget.max())
         if width == 0:  # no sequence may draft (each can emit only the target's next token)
             proposal = stack_proposal([], [], torch.zeros_like(budget))
-            return ParallelProposal(proposal.tokens, None, proposal.counts, forwards=0)
+            return ParallelProposal.of(proposal, forwards=0)
         rows = iter(self.draft_rows(sequences, budget > 0, width).unbind(1))  # (B, V) each: q_1 .. q_width
         proposal = draft_chain(lambda token, active: next(rows), budget, options, generator)
-        return ParallelProposal(proposal.tokens, proposal.probs, proposal.counts, confidence=proposal.confidence)
+        return ParallelProposal.of(proposal)
 
     def rollback(self, keep: torch.Tensor) -> None:
         """The cache holds only committed tokens, so nothing is dropped unless ``keep`` asks for it."""

@@ -94,8 +94,8 @@ def test_a_few_unlucky_rounds_do_not_pause_a_draft_that_pays():
 
 
 def test_a_paused_sequence_probes_again_and_acceptance_is_decayed_counts():
-    pacer = timed_pacer(2, 1.0, 1.0, 1.0, (0.0, 3.0))
-    pacer.settings = PaceSettings(probe_every=3, backoff=1.0)  # a probe every 3 paused rounds, whatever came of them
+    # a probe every 3 paused rounds, whatever came of them
+    pacer = timed_pacer(2, 1.0, 1.0, 1.0, (0.0, 3.0), probe_every=3, backoff=1.0)
     assert [pacer.drafts([0])[0] for _ in range(8)] == [False, False, False, True, False, False, False, True]
     pacer.record([0], torch.tensor([2]), torch.tensor([2]), draft_s=1.0, verify_s=1.0)
     # counts decay by 0.97 per drafting round: accepted 0 * 0.97 + 2, rejected 3 * 0.97 + 0, each
@@ -136,8 +136,7 @@ def test_rounds_are_compared_over_the_same_span_and_a_resumed_round_never_raises
 def test_probes_that_find_drafting_still_not_paying_come_ever_later_until_one_pays():
     # backoff 2, probe_max 12: after probes that leave drafting not paying, 3, 6, 12, 12 paused rounds
     # come between them; a probe whose round makes drafting pay resets the interval to probe_every.
-    pacer = timed_pacer(1, 0.13, 1.0, 1.0, (0.0, 5.0))
-    pacer.settings = PaceSettings(probe_every=3, backoff=2.0, probe_max=12)
+    pacer = timed_pacer(1, 0.13, 1.0, 1.0, (0.0, 5.0), probe_every=3, backoff=2.0, probe_max=12)
     gaps, paused = [], 0
     while len(gaps) < 4:
         if pacer.drafts([0])[0]:
@@ -160,9 +159,8 @@ def test_probes_that_find_drafting_still_not_paying_come_ever_later_until_one_pa
 def test_the_drafts_own_confidence_centres_the_prior():
     # gamma 1, c 0.13, v 1.0: drafting pays above alpha 0.13. The prior is 6 counts split as the
     # draft's mean probability of its verified tokens (decayed like the outcomes).
-    def after(outcomes, sure, settings=PaceSettings()):
-        pacer = timed_pacer(1, 0.13, 1.0, 1.0)
-        pacer.settings = settings
+    def after(outcomes, sure, **settings):
+        pacer = timed_pacer(1, 0.13, 1.0, 1.0, **settings)
         for kept in outcomes:
             pacer.record([0], torch.tensor([1]), torch.tensor([kept]), 0.13, 1.0, torch.tensor([[sure]]))
         return pacer
@@ -171,12 +169,12 @@ def test_the_drafts_own_confidence_centres_the_prior():
     # at once; the fixed prior would draft again (0.5 / 2.5 = 0.2).
     unsure = after([0], 0.05)
     assert unsure.alpha(0) == pytest.approx(0.3 / 7) and not unsure.drafting_pays(0)
-    assert after([0], 0.05, PaceSettings(confidence=0.0)).drafting_pays(0)
+    assert after([0], 0.05, confidence=0.0).drafting_pays(0)
     # A draft that gives its tokens 0.5 drafts on through three rejections in a row (3 / 8.91 = 0.34);
     # the fixed prior pauses it (0.5 / 4.41 = 0.11).
     sure = after([0, 0, 0], 0.5)
     assert sure.alpha(0) == pytest.approx(3 / (3 + 2.9127 + 3), abs=1e-4) and sure.drafting_pays(0)
-    assert not after([0, 0, 0], 0.5, PaceSettings(confidence=0.0)).drafting_pays(0)
+    assert not after([0, 0, 0], 0.5, confidence=0.0).drafting_pays(0)
     # gamma 3: the tokens verification judged are the accepted ones and the first rejected (0.4 and
     # 0.2 here; the third, never judged, does not count), so the prior's centre is 0.3.
     chain = timed_pacer(3, 0.13, 1.0, 1.0)
