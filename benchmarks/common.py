@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-import transformers
 
 from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
+from draftsmith.specdec.measure.machine import machine
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 
 PROMPTS = Path(__file__).parents[1] / "distill" / "data" / "eval_prompts.jsonl"  # held out from training
@@ -44,22 +42,6 @@ def tokens_per_s(run: Path) -> float:
     """A distillation run's training tokens/s over its last logged window (metrics.jsonl)."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return records[-1]["tokens_per_s"]
-
-
-def machine() -> dict:
-    """What a figure was measured on: CPU model and flags that decide the kernels, threads, load, versions."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    words = set(info.split())
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    return {
-        "cpu": model or platform.processor(),
-        "cpu_flags": sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in words),
-        "torch_threads": torch.get_num_threads(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
 
 
 def save(name: str, result: dict) -> None:

@@ -35,6 +35,7 @@ from draftsmith.distill.drafts import load_draft
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.draft_vocab import SubsetHeadDraft
 from draftsmith.specdec.loading import eos_token_ids, load_model, load_tokenizer
+from draftsmith.specdec.measure.machine import cpu_flags
 from draftsmith.specdec.measure.pair import evaluate_pair
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
@@ -219,11 +220,6 @@ def with_trained_head(draft, folder: Path, eos: frozenset[int]):
     if not cfg.draft.vocab:
         return draft
     return SubsetHeadDraft(draft, draft_vocab.load_ranking(run, cfg.draft.vocab), eos)
-
-
-def cpu_flags() -> list[str]:
-    text = Path("/proc/cpuinfo").read_text()
-    return sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in text.split()})
 
 
 if __name__ == "__main__":

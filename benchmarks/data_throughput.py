@@ -23,6 +23,7 @@ import torch
 from common import default_target, median, save
 
 from draftsmith.specdec.continuous import Batching, continuous_generate
+from draftsmith.specdec.measure import machine
 from draftsmith.specdec.prompts import encode_chat, read_prompts
 
 BUILTIN = Path(__file__).parents[1] / "distill" / "data" / "prompts.jsonl"
@@ -31,9 +32,8 @@ CPU_FLAGS = ("avx512_bf16", "amx_bf16", "avx512f", "avx2")
 
 def cpu_flags() -> dict[str, bool]:
     """Which of the instruction sets that matter for matrix kernels this CPU reports."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return {flag: flag in flags for flag in CPU_FLAGS}
+    reported = machine.cpu_flags()
+    return {flag: flag in reported for flag in CPU_FLAGS}
 
 
 def answer_tokens(row: list[int], eos: frozenset[int]) -> list[int]:

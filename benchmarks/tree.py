@@ -13,7 +13,6 @@ Writes benchmarks/results/tree.json.
 from __future__ import annotations
 
 import argparse
-import platform
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import load_model
+from draftsmith.specdec.measure.machine import cpu_flags
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.tree import TreeShape
 
@@ -39,11 +39,6 @@ CONFIGS = {  # name -> options; node budgets: chain gamma = nodes per round
     "dyn 3,2,2,1:6": DecodeOptions(tree=TreeShape.parse("3,2,2,1:6")),
     "dyn 3,2,2,1:12": DecodeOptions(tree=TreeShape.parse("3,2,2,1:12")),
 }
-
-
-def cpu_flags() -> list[str]:
-    text = Path("/proc/cpuinfo").read_text() if platform.system() == "Linux" else ""
-    return sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in text.split()})
 
 
 def run(target, draft, prompts, tokens, eos) -> dict:

@@ -21,6 +21,7 @@ from draftsmith.options import check_engine_options, engine_options, parse_list
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dtype
+from draftsmith.specdec.measure import machine
 from draftsmith.specdec.measure.engine_compare import compare_with_engine, format_comparison
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
@@ -136,7 +137,7 @@ def show_engine_report(report: dict, json_out: str | None) -> int:
     for note in report["notes"]:
         print(f"note: {note}")
     if json_out:
-        write_text(Path(json_out), json.dumps(report, indent=2))
+        write_text(Path(json_out), json.dumps({**report, "machine": machine.machine()}, indent=2))
         print(f"report written to {json_out}")
     return 0
 

@@ -27,6 +27,7 @@ from draftsmith.specdec.loading import (
     resolve_device,
     resolve_dtype,
 )
+from draftsmith.specdec.measure import machine
 from draftsmith.specdec.measure.hf_compare import HFComparison
 from draftsmith.specdec.measure.pair import evaluate_pair
 from draftsmith.specdec.measure.report import PairReport
@@ -309,6 +310,6 @@ def finish(
         print(line)
     if args.json_out:
         out = Path(args.json_out)
-        write_text(out, json.dumps(report.to_json(), indent=2))
+        write_text(out, json.dumps({**report.to_json(), "machine": machine.machine()}, indent=2))
         print(f"report written to {out}")
     return 0

@@ -21,6 +21,7 @@ from draftsmith.distill.drafts import kind_of_folder, load_draft
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dtype
+from draftsmith.specdec.measure import machine
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
@@ -146,7 +147,8 @@ def start_report(
         run=str(run_dir),
         target=cfg.target,
         temperatures=settings.temperatures,
-        hardware=speedup.hardware(),
+        hardware=machine.describe(),
+        machine=machine.machine(),
     )
     return report
 

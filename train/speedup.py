@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,12 +198,6 @@ def choose_tree(tree_speedups: dict[str, float], chain_speedup: float) -> str | 
 def chosen_figures(result: dict) -> dict:
     """The figures of the decoding a measurement chose: its best tree's, else the chain's at the best gamma."""
     return result["trees"][result["best_tree"]] if result.get("best_tree") else result
-
-
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads of {os.cpu_count()}"
 
 
 def load_report(run_dir: Path) -> dict:

@@ -3,8 +3,10 @@
 import json
 
 import pytest
+import torch
 
 from draftsmith.cli import main
+from draftsmith.specdec.measure import machine
 from tests.helpers import save_tiny_pair
 
 
@@ -70,6 +72,8 @@ def test_greedy_report(pair, prompts, tmp_path, capsys):
     ):
         assert key in report, key
     assert report["greedy_match"] == 1.0
+    assert report["machine"]["cpu_flags"] == machine.cpu_flags()  # what the figures were measured on
+    assert report["machine"]["torch_threads"] == torch.get_num_threads()
     assert sorted(report["per_category"]) == ["coding", "math", "writing"]
     assert 0 < report["acceptance_rate"] < 1
     assert 1 < report["mean_accepted_tokens"] <= 4

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from draftsmith.cli import main
 from draftsmith.distill import drafts
 from draftsmith.specdec.loading import resolve_dtype
+from draftsmith.specdec.measure import machine
 from draftsmith.specdec.measure.hf_compare import AssistedRounds, hf_generate
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.train.config import DistillConfig, load_config, load_run_config
@@ -96,6 +97,7 @@ def test_model_card_carries_the_measured_results_as_metadata(published):
     args = results["speedup"].metric_args
     auto = str(resolve_dtype(None, torch.device("cpu"))).removeprefix("torch.")  # eval-run ran with --dtype auto
     assert args["hardware"] == report["hardware"] and args["dtype"] == auto and args["draft_vocab"] == 12
+    assert report["hardware"] == machine.describe() and report["machine"]["cpu_flags"] == machine.cpu_flags()
     assert args["temperature"] == 0.0 and args["gamma"] == best["best_gamma"]
     # The usage runs as written: the draft's own path, no gamma argument (its generation config has it).
     assert f'AutoModelForCausalLM.from_pretrained("{draft_dir.resolve()}")' in card.text
