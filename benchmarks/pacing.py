@@ -6,17 +6,18 @@ draft's greedy token at output position i, given the target's own output before 
 the target's token there or not. One teacher-forced draft forward over each prompt and the target's
 greedy answer gives that agreement at every position. A round that starts at position i with g
 proposals accepts the run of agreements from i (at most g) and emits one token more; a paused round
-emits one. Replaying the decoder's own ``Pacer`` over those traces with a cost model (a plain step 1,
-a drafting round c * g + v, c and v as eval-run measures them) gives, in seconds of CPU, what each
-pacing rule would do on those prompts: rounds paused, tokens per unit time, and the speedup the cost
-model predicts. It is a model (it leaves out the decoder's per-round bookkeeping), so the part that
-counts is the timed one:
+emits one, or two where its lookup guess (``specdec.lookup``: the token after the latest repeat of
+the answer's last n-gram) is the target's token. Replaying the decoder's own ``Pacer`` over those
+traces with a cost model (a plain step 1, a drafting round c * g + v, c and v as eval-run measures
+them) gives, in seconds of CPU, what each pacing rule would do on those prompts: rounds paused,
+tokens per unit time, and the speedup the cost model predicts. It is a model (it leaves out the
+decoder's per-round bookkeeping), so the part that counts is the timed one:
 
-``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced, paced without
-the draft's confidence (the fixed prior), and with a pacer that never lets a sequence draft (the
-decoder's own floor: its round loop's cost beside the target's plain loop), interleaved (each prompt
-runs the five back to back, in a rotating order), greedy output checked against the target's. Per
-category and overall: the measured speedup of each, the median over repeats and its range.
+``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced (paused rounds
+verifying lookup guesses, the default), paced without guesses, and with a pacer that never lets a
+sequence draft (guesses only: the decoder's floor), interleaved (each prompt runs the five back to
+back, in a rotating order), greedy output checked against the target's. Per category and overall:
+the measured speedup of each, the median over repeats and its range.
 
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 3
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 30 \
@@ -41,6 +42,7 @@ from kind_runs import decoding_draft
 from draftsmith.specdec import decoder
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import cpu_has_native_bfloat16
+from draftsmith.specdec.lookup import lookup_guess
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer, PaceSettings
 from draftsmith.specdec.prompts import encode_chat, read_prompts
@@ -74,8 +76,9 @@ VARIANTS = {
 
 def agreement(target, draft, prompt: list[int], answer: list[int]) -> dict:
     """Whether the draft's greedy token at each answer position equals the target's, given the
-    target's answer before it (one teacher-forced forward of the draft), and the probability the
-    draft gave that token (what pacing reads as its confidence)."""
+    target's answer before it (one teacher-forced forward of the draft), the probability the draft
+    gave that token (what pacing reads as its confidence), and whether the lookup guess there is the
+    target's token."""
     ids = torch.tensor([prompt + answer[:-1]], device=target.device)
     with torch.inference_mode():
         logits = draft(input_ids=ids).logits[0, len(prompt) - 1 :]
@@ -83,13 +86,17 @@ def agreement(target, draft, prompt: list[int], answer: list[int]) -> dict:
     return {
         "agrees": (logits.argmax(-1) == torch.tensor(answer, device=target.device)).tolist(),
         "confidence": [round(x, 4) for x in probs.max(-1).values.tolist()],
+        "guessed": [lookup_guess(prompt + answer[:i]) == token for i, token in enumerate(answer)],
     }
 
 
-def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None, pause: float = 1.0) -> dict:
+def replay(
+    trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None, pause: float = 1.0, guesses: bool = True
+) -> dict:
     """One sequence decoded by the chain rounds the ``pacer`` (None: never paused) chooses, under the
     cost model: tokens, model time, rounds and paused rounds. ``pause``: a round without drafts, in
-    target steps (1 for the plain one-row step, v for a row-exact one). The answer's first token
+    target steps (1 for the plain one-row step, v for a row-exact one); with ``guesses`` it also emits
+    the lookup guess where that is the target's token and there is room for two. The answer's first token
     comes with the prompt's forward, for the target alone as for the decoder, so the rounds start at
     the second and the target's time is one step per later token."""
     agrees, sure = trace["agrees"], trace["confidence"]
@@ -98,12 +105,15 @@ def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None, pau
         go = pacer.drafts([0])[0] if pacer is not None else True
         g = min(gamma, n - pos - 1) if go else 0
         rounds += 1
+        if pacer is not None and guesses and pos < n - 1:  # the decoder checks every round's guess
+            pacer.record_guesses([0], [trace["guessed"][pos]])
         if g == 0:
             paused += go is False
             spent += pause
             if pacer is not None:
                 pacer.record([0], torch.tensor([0]), torch.tensor([0]), 0.0, pause)
-            pos += 1
+            guess_kept = guesses and go is False and pos < n - 1 and trace["guessed"][pos]
+            pos += 2 if guess_kept else 1
             continue
         kept = 0
         while kept < g and agrees[pos + kept]:
@@ -116,11 +126,13 @@ def replay(trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None, pau
     return {"tokens": n - 1, "time": spent, "rounds": rounds, "paused": paused}
 
 
-def replay_all(traces: dict[str, list[dict]], gamma: int, c: float, v: float, make_pacer, pause: float = 1.0) -> dict:
+def replay_all(
+    traces: dict[str, list[dict]], gamma: int, c: float, v: float, make_pacer, pause: float = 1.0, guesses: bool = True
+) -> dict:
     """Per category: the model's speedup (target time = tokens) and the share of rounds paused."""
     out = {}
     for category, sequences in traces.items():
-        runs = [replay(a, gamma, c, v, make_pacer(), pause) for a in sequences]
+        runs = [replay(a, gamma, c, v, make_pacer(), pause, guesses) for a in sequences]
         tokens, spent = sum(r["tokens"] for r in runs), sum(r["time"] for r in runs)
         out[category] = {
             "speedup": round(tokens / spent, 4) if spent else 1.0,  # one-token answers: nothing to decode
@@ -139,23 +151,23 @@ class NeverDrafts(Pacer):
 
 
 def timed(target, draft, prompts, categories, eos, args) -> dict:
-    """Target alone, unpaced decoding, paced decoding, paced decoding with the fixed prior (no
-    confidence) and the decoder drafting never, interleaved per prompt and repeat (rotating order).
-    Per category and repeat the ratio of summed times; reported: the median over repeats and its range, as
-    ``draftsmith eval`` does (one slow minute of a shared machine moves one repeat, not the figure)."""
+    """Target alone, unpaced decoding, paced decoding (with lookup guesses in paused rounds), paced
+    decoding without them, and the decoder drafting never (guesses only), interleaved per prompt and
+    repeat (rotating order). Per category and repeat the ratio of summed times; reported: the median
+    over repeats and its range, as ``draftsmith eval`` does (one slow minute of a shared machine moves
+    one repeat, not the figure)."""
     # seconds[category][name][repeat]
     seconds = defaultdict(lambda: defaultdict(lambda: [0.0] * args.repeats))
     identical = True
     # what every speculative run must reproduce: the row-exact target's output, untimed (the timed
     # target steps one row, as plain decoding runs fastest)
     reference = [target_generate(target, [p], args.max_new_tokens, eos_ids=eos, row_exact=True)[0] for p in prompts]
-    fixed_prior = PaceSettings(confidence=0.0)
     paced = {"pace": True, "exact_pauses": args.exact_pauses}
     runs = {
         "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
         "paced": DecodeOptions(gamma=args.gamma, **paced),
-        "paced, fixed prior": DecodeOptions(gamma=args.gamma, pace_settings=fixed_prior, **paced),
-        "never drafting": DecodeOptions(gamma=args.gamma, **paced),  # with the NeverDrafts pacer
+        "paced, no guesses": DecodeOptions(gamma=args.gamma, pause_guess=False, **paced),
+        "never drafting": DecodeOptions(gamma=args.gamma, **paced),  # with the NeverDrafts pacer: guesses only
     }
     order = ["target", *runs]
     for options in runs.values():  # warm-up, not timed: a process's first decoding calls run slow
@@ -245,8 +257,10 @@ def main() -> None:
         Path(args.save_traces).write_text(json.dumps(traces))
     alpha = {k: round(statistics.fmean(x for t in v for x in t["agrees"]), 3) for k, v in traces.items()}
     sure = {k: round(statistics.fmean(x for t in v for x in t["confidence"]), 3) for k, v in traces.items()}
+    guessed = {k: round(statistics.fmean(x for t in v for x in t["guessed"]), 3) for k, v in traces.items()}
     print("greedy agreement per position:", alpha)
     print("the draft's mean probability of its token:", sure)
+    print("lookup guess agreement per position:", guessed)
 
     # a round without drafts costs what the decoder's paused rounds cost: a row-exact step, v
     pause = args.v if args.exact_pauses else 1.0
@@ -254,6 +268,8 @@ def main() -> None:
     for name, settings in VARIANTS.items():
         make = lambda s=settings: Pacer(args.gamma, 1, s)  # noqa: E731
         replayed[name] = replay_all(traces, args.gamma, args.c, args.v, make, pause)
+    make = lambda: Pacer(args.gamma, 1, PaceSettings())  # noqa: E731
+    replayed["pacer, no guesses"] = replay_all(traces, args.gamma, args.c, args.v, make, pause, guesses=False)
     for name, by_category in replayed.items():
         cells = (f"{k} {r['speedup']:.3f} ({r['paused_share']:.2f})" for k, r in by_category.items())
         print(f"{name:>14}: " + "  ".join(cells))
@@ -265,6 +281,7 @@ def main() -> None:
         "cost_model": {"c": args.c, "v": args.v, "pause": pause},
         "agreement": alpha,
         "confidence": sure,
+        "lookup_guess_agreement": guessed,
         "replayed": replayed,
     }
     if args.time:

@@ -37,6 +37,7 @@ from draftsmith.specdec.clock import Clock
 from draftsmith.specdec.compiled import make_stream, resolve_compile
 from draftsmith.specdec.drafters import Drafter, LMDrafter, PairedDraft, Proposal
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.lookup import lookup_guess, with_guesses
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.sampling import SamplingParams, choose_token
@@ -60,6 +61,8 @@ class DecodeStats:
     target_forwards: int = 0  # including the prefill
     draft_forwards: int = 0  # including the prefill
     paused: int = 0  # sequence rounds without drafting, where drafting did not pay (``DecodeOptions.pace``)
+    guesses: int = 0  # paused sequence rounds that verified a lookup guess (``DecodeOptions.pause_guess``)
+    guesses_accepted: int = 0  # of those, the ones whose guess was kept (not in proposed / accepted)
     # (proposed, accepted) of every sequence round that drafted a chain, in order (per-position acceptance)
     round_counts: list[tuple[int, int]] = field(default_factory=list)
     seq_proposed: list[int] = field(default_factory=list)  # per prompt, in input order
@@ -285,9 +288,17 @@ def _chain_round(
     stats.paused += drafts.count(False)
     budget = torch.tensor(budget, device=device)
     proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
-    stats.draft_forwards += proposal.steps
+    stats.draft_forwards += (steps := proposal.steps)
+    drafted, guesses = proposal.counts, None
+    if progress.pacer is not None and options.pause_guess and getattr(drafter, "takes_guesses", False):
+        # Every sequence with room for two tokens has a lookup guess: a paused one verifies it in the
+        # row a pause pads anyway; for the others it is only checked (the pacer's guess rate).
+        guesses = [lookup_guess(out.sequences[seq]) if out.remaining(seq) >= 2 else None for seq in live]
+        paused_guesses = [None if go else guess for guess, go in zip(guesses, drafts, strict=True)]
+        proposal, guessed = with_guesses(proposal, paused_guesses)
+        drafted = proposal.counts.masked_fill(guessed, 0)
     draft_s = clock.lap()
-    if proposal.steps:
+    if steps:
         stats.draft_time += draft_s
     else:
         stats.paused_draft_time += draft_s
@@ -303,13 +314,19 @@ def _chain_round(
     # 3. Accept a prefix of each proposal, then one token from the target after it.
     n_accepted, next_token = accept(proposal, verification.logits, options.sampling, generator)
     if progress.pacer is not None:
-        progress.pacer.record(live, proposal.counts, n_accepted, draft_s, verify_s, proposal.confidence)
+        progress.pacer.record(live, drafted, n_accepted, draft_s, verify_s, proposal.confidence)
+        if guesses is not None:  # the round's first token: the first proposal if kept, else the target's
+            first = next_token
+            if proposal.tokens.shape[1]:
+                first = torch.where(n_accepted > 0, proposal.tokens[:, 0], next_token)
+            right = [None if g is None else g == token for g, token in zip(guesses, first.tolist(), strict=True)]
+            progress.pacer.record_guesses(live, right)
 
     # 4. Commit: the drafter sees what verification produced for the committed rows (x_n and the
     #    accepted drafts); emit, then roll both caches back to the committed tokens except the
     #    newest (the next round's x_n, which no cache has read).
     drafter.observe(verification, torch.arange(inputs.shape[1], device=device)[None, :] <= n_accepted[:, None])
-    _emit_round(out, stats, live, proposal, n_accepted, next_token)
+    _emit_round(out, stats, live, proposal, n_accepted, next_token, drafted)
     keep = torch.tensor([len(out.sequences[seq]) - 1 for seq in live], device=device)
     verifier.rollback(keep)
     drafter.rollback(keep)
@@ -407,14 +424,22 @@ def _emit_round(
     proposal: Proposal,
     n_accepted: torch.Tensor,
     next_token: torch.Tensor,
+    drafted_counts: torch.Tensor | None = None,
 ) -> None:
-    """Emit each sequence's accepted draft tokens and the target's token after them, and count them."""
-    accepted, proposed = n_accepted.tolist(), proposal.counts.tolist()
+    """Emit each sequence's accepted draft tokens and the target's token after them, and count them.
+    ``drafted_counts`` (B,): the tokens the draft proposed, where the proposal also holds lookup
+    guesses (counted apart: alpha is the draft's)."""
+    accepted, offered = n_accepted.tolist(), proposal.counts.tolist()
+    proposed = offered if drafted_counts is None else drafted_counts.tolist()
     drafted, following = proposal.tokens.tolist(), next_token.tolist()
     for row, seq in enumerate(live):
         kept = out.emit(seq, drafted[row][: accepted[row]] + [following[row]])
         stats.new_tokens += kept
         stats.round_tokens += kept
+        if offered[row] and not proposed[row]:  # a lookup guess
+            stats.guesses += 1
+            stats.guesses_accepted += accepted[row]
+            continue
         stats.proposed += proposed[row]
         stats.accepted += accepted[row]
         stats.seq_proposed[seq] += proposed[row]

@@ -17,6 +17,12 @@ steps it, unless ``DecodeOptions.exact_pauses`` is off) and emits the target's t
 sampled decoding alike (there is no draft token to accept or reject). Every ``probe_every`` paused
 rounds it drafts one round again, so a sequence whose text turns predictable resumes. The drafter
 reads the tokens of the paused rounds when it next drafts, as it reads x_n in any round.
+
+With lookup guesses (``DecodeOptions.pause_guess``, ``lookup``) a paused round also verifies a free
+guess and emits ``1 + h`` tokens on average, ``h`` the share of the sequence's rounds whose guess
+was the target's next token (checked in every round, drafting or not, so it is known before the
+sequence is ever paused). Drafting then pays while ``tau * t_step > (1 + h) * (t_draft + t_verify)``:
+where the text repeats itself more often than the draft agrees with the target, the guesses win.
 """
 
 from __future__ import annotations
@@ -116,6 +122,8 @@ class Pacer:
     probes: list[int] = field(init=False)  # probe rounds in a row after which drafting still did not pay
     sure: list[float] = field(init=False)  # decayed sum of the draft's probability of its verified tokens
     judged: list[float] = field(init=False)  # decayed count of those tokens
+    guess_hits: list[float] = field(init=False)  # decayed rounds whose lookup guess was the target's token
+    guess_seen: list[float] = field(init=False)  # decayed rounds with a guess to check
     resuming: bool = field(init=False, default=False)  # a sequence drafts this round after paused rounds
     draft_s: Average = field(default_factory=Average)  # seconds of drafting, per drafting round
     verify_s: Average = field(default_factory=Average)  # seconds of a verification with drafts
@@ -128,6 +136,8 @@ class Pacer:
         self.probes = [0] * self.batch_size
         self.sure = [0.0] * self.batch_size
         self.judged = [0.0] * self.batch_size
+        self.guess_hits = [0.0] * self.batch_size
+        self.guess_seen = [0.0] * self.batch_size
 
     def prior(self, seq: int) -> tuple[float, float]:
         """The (accepted, rejected) counts ``seq``'s estimate starts from: the fixed prior, or with
@@ -147,11 +157,17 @@ class Pacer:
         seen = accepted + self.rejected[seq] + prior[1]
         return accepted / seen if seen else 1.0
 
+    def guess_rate(self, seq: int) -> float:
+        """The share of ``seq``'s checked rounds whose lookup guess was the target's next token (0 until
+        guesses are recorded; one phantom miss keeps a lucky first guess from counting as certain)."""
+        return self.guess_hits[seq] / (self.guess_seen[seq] + 1.0)
+
     def drafting_pays(self, seq: int) -> bool:
-        """Whether a drafting round is expected to emit tokens faster than a plain step, for ``seq``."""
+        """Whether a drafting round is expected to emit tokens faster than a paused round (a plain
+        step, plus its lookup guess where guesses are recorded), for ``seq``."""
         if self.draft_s.value is None or self.verify_s.value is None:
             return True
-        drafting = self.draft_s.value + self.verify_s.value
+        drafting = (self.draft_s.value + self.verify_s.value) * (1.0 + self.guess_rate(seq))
         tokens = expected_tokens(self.alpha(seq), self.gamma)
         if self.step_s.value is None:
             # No plain step timed yet. A step costs at most a verification over more tokens, so with
@@ -159,6 +175,15 @@ class Pacer:
             # drafts on; any other takes a plain round, which times the step it is compared with.
             return tokens * self.verify_s.value > self.settings.margin * drafting
         return tokens * self.step_s.value > drafting
+
+    def record_guesses(self, live: list[int], right: list[bool | None]) -> None:
+        """Whether each sequence's lookup guess this round was the target's next token (None: no
+        guess), decayed as the acceptance counts are."""
+        decay = self.settings.decay
+        for seq, hit in zip(live, right, strict=True):
+            if hit is not None:
+                self.guess_hits[seq] = decay * self.guess_hits[seq] + hit
+                self.guess_seen[seq] = decay * self.guess_seen[seq] + 1.0
 
     def probe_interval(self, seq: int) -> int:
         """Paused rounds before ``seq``'s next probe: ``probe_every``, times ``backoff`` for each probe

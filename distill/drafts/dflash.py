@@ -270,6 +270,8 @@ class DFlashDrafter:
     rows the target has computed: one less than the committed tokens (the last, x_n, is the block's
     anchor). ``lengths`` (B,) counts them; row p sits at position p."""
 
+    takes_guesses = True  # a paused round may verify a lookup guess: it takes the committed rows as they come
+
     def __init__(self, draft: DFlashDraft, batch_size: int, capacity: int):
         self.draft = draft
         self.feature_layers = draft.feature_layers

@@ -199,6 +199,8 @@ class SharedLayersDrafter:
     """An ``EarlyExitDraft`` as drafter, on the cache it shares with the target (one sequence)."""
 
     feature_layers: tuple[int, ...] = ()  # the target's states it needs are the ones it computes itself
+    # no lookup guesses: verification starts from the shared layers' states this drafter computed
+    takes_guesses = False
 
     def __init__(self, target: PreTrainedModel, draft: EarlyExitDraft, capacity: int):
         self.target, self.draft, self.k = target, draft, draft.k

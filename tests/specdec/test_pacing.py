@@ -258,8 +258,9 @@ def test_a_round_where_every_sequence_is_paused_runs_no_draft_forward(target, mo
     draft = every_kind(target)[kind]
     layers = [m for m in draft.modules() if isinstance(m, torch.nn.Linear)]
     # probes every 4 paused rounds (no back-off): drafting rounds enough that the prompt's forward,
-    # shared by all of them, weighs in both runs alike
-    options = DecodeOptions(gamma=2, pace=True, pace_settings=PaceSettings(backoff=1.0))
+    # shared by all of them, weighs in both runs alike; no lookup guesses, which would change how
+    # many rounds (and probes) the answer takes between the two runs
+    options = DecodeOptions(gamma=2, pace=True, pace_settings=PaceSettings(backoff=1.0), pause_guess=False)
 
     def linear_calls_per_drafting_round(schedule) -> tuple[float, int]:
         monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: next(schedule))
@@ -286,6 +287,7 @@ def test_paused_sampling_is_distributed_as_the_target(target, monkeypatch):
     params = SamplingParams(temperature=1.0)
     first, second, stats = sample_spec(target, noisy_copy(target, 0.8), params, gamma=3, pace=True)
     assert stats.paused > 1000 and stats.proposed > 1000
+    assert stats.guesses > 500  # paused rounds verify lookup guesses too, q one-hot beside rows drawn from q
     assert_fits(target, params, first, second)
 
 
@@ -327,3 +329,24 @@ def test_pace_settings_are_decode_options_and_bad_ones_are_refused(target):
             PaceSettings(**bad)
     with pytest.raises(DraftsmithError, match="pace_settings must be a PaceSettings"):
         DecodeOptions(pace=True, pace_settings={"backoff": 1.0})
+
+
+def test_a_sequence_whose_text_repeats_itself_pauses_for_its_lookup_guesses():
+    # gamma 1, alpha 2 / 4.5 (counts 1.5 / 1.5 plus the prior's 0.5 / 1): 1.44 tokens a drafting round
+    # of 0.13 + 1.05 steps, against one token for a plain step of 1.05: 1.52 > 1.18, drafting pays.
+    # With guesses a paused round emits 1 + h tokens: the draft keeps drafting while 1.52 > 1.18 (1 + h).
+    pacer = timed_pacer(1, 0.13, 1.05, 1.05, (1.5, 1.5), confidence=0.0)
+    assert pacer.alpha(0) == pytest.approx(2.0 / 4.5)
+    assert pacer.guess_rate(0) == 0.0 and pacer.drafting_pays(0)
+    pacer.record_guesses([0], [True])
+    assert pacer.guess_rate(0) == pytest.approx(0.5)  # one hit, one phantom miss
+    pacer.record_guesses([0], [None])  # no guess this round: nothing changes
+    assert pacer.guess_rate(0) == pytest.approx(0.5)
+    assert not pacer.drafting_pays(0)  # 1.52 < 1.18 * 1.5
+    for hit in [False, False, False, True, False, False, False]:
+        pacer.record_guesses([0], [hit])
+    decay, hits, seen = PaceSettings().decay, 0.0, 0.0
+    for hit in [True, False, False, False, True, False, False, False]:
+        hits, seen = decay * hits + hit, decay * seen + 1
+    assert pacer.guess_rate(0) == pytest.approx(hits / (seen + 1))  # decayed as the acceptance counts are
+    assert pacer.guess_rate(0) < 0.25 and pacer.drafting_pays(0)  # guesses right a quarter of the time: draft
