@@ -291,10 +291,13 @@ def _chain_round(
     stats.draft_forwards += (steps := proposal.steps)
     drafted, guesses = proposal.counts, None
     if progress.pacer is not None and options.pause_guess and getattr(drafter, "takes_guesses", False):
-        # Every sequence with room for two tokens has a lookup guess: a paused one verifies it in the
-        # row a pause pads anyway; for the others it is only checked (the pacer's guess rate).
-        guesses = [lookup_guess(out.sequences[seq]) if out.remaining(seq) >= 2 else None for seq in live]
-        paused_guesses = [None if go else guess for guess, go in zip(guesses, drafts, strict=True)]
+        # Every sequence with room for two tokens looks up a guess: a paused one verifies it in the row
+        # a pause pads anyway; for the others it is only checked (the pacer's guess rate, where a
+        # round without a guess, -1, counts as a miss: its pause would have emitted one token).
+        room = [out.remaining(seq) >= 2 for seq in live]
+        guesses = [lookup_guess(out.sequences[seq]) if fits else None for seq, fits in zip(live, room, strict=True)]
+        guesses = [-1 if fits and guess is None else guess for guess, fits in zip(guesses, room, strict=True)]
+        paused_guesses = [None if go or guess == -1 else guess for guess, go in zip(guesses, drafts, strict=True)]
         proposal, guessed = with_guesses(proposal, paused_guesses)
         drafted = proposal.counts.masked_fill(guessed, 0)
     draft_s = clock.lap()

@@ -46,6 +46,8 @@ def pair_metrics(
         acceptance_by_position=None if tree else acceptance_by_position(sp.round_counts, gamma),
         paused_share=sp.paused / sp.seq_rounds if sp.seq_rounds else None,
         time_split_s=TimeSplit(sp.prefill_time, sp.draft_time + sp.paused_draft_time, sp.verify_time, sp.other_time),
+        guesses=sp.guesses,
+        guesses_accepted=sp.guesses_accepted,
     )
 
 

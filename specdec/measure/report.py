@@ -35,7 +35,8 @@ class PairFigures:
     """alpha, tau, c, v, tokens/s and both speedups of one set of runs (a repeat, a category, or overall).
 
     acceptance_by_position: of chain rounds only; nodes_per_round: of token-tree rounds only;
-    paused_share: the sequence rounds that did not draft because the pacer found drafting did not pay.
+    paused_share: the sequence rounds that did not draft because the pacer found drafting did not pay;
+    guesses, guesses_accepted: the lookup guesses those rounds verified, and kept (not in alpha).
     """
 
     acceptance_rate: float | None
@@ -53,6 +54,8 @@ class PairFigures:
     acceptance_by_position: list[float] | None
     paused_share: float | None
     time_split_s: TimeSplit
+    guesses: int = 0
+    guesses_accepted: int = 0
 
     def to_json(self) -> dict:
         return {name: plain(value) for name, value in fields_of(PairFigures, self).items()}
