@@ -153,11 +153,14 @@ class NeverDrafts(Pacer):
 def timed(target, draft, prompts, categories, eos, args) -> dict:
     """Target alone, unpaced decoding, paced decoding (with lookup guesses in paused rounds), paced
     decoding without them, and the decoder drafting never (guesses only), interleaved per prompt and
-    repeat (rotating order). Per category and repeat the ratio of summed times; reported: the median
+    repeat (rotating order). Per category and repeat the ratio of tokens/s (summed tokens over summed
+    seconds: in bfloat16 the timed target, stepping one row, may end an answer elsewhere than the
+    row-exact output the decoder reproduces, so the answers' lengths can differ); reported: the median
     over repeats and its range, as ``draftsmith eval`` does (one slow minute of a shared machine moves
     one repeat, not the figure)."""
-    # seconds[category][name][repeat]
+    # seconds[category][name][repeat], and the tokens those seconds produced
     seconds = defaultdict(lambda: defaultdict(lambda: [0.0] * args.repeats))
+    tokens = defaultdict(lambda: defaultdict(lambda: [0] * args.repeats))
     identical = True
     # what every speculative run must reproduce: the row-exact target's output, untimed (the timed
     # target steps one row, as plain decoding runs fastest)
@@ -188,15 +191,17 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
                 else:
                     out, _ = speculative_generate(target, draft, [prompt], args.max_new_tokens, runs[name], eos)
                 spent = time.perf_counter() - start
-                seconds[category][name][repeat] += spent
-                seconds["all"][name][repeat] += spent
+                for key in (category, "all"):
+                    seconds[key][name][repeat] += spent
+                    tokens[key][name][repeat] += len(out[0])  # the new tokens
                 if name != "target" and out != reference[index]:
                     identical = False
     result = {}
     for category, by_name in seconds.items():
         result[category] = {}
+        rate = {name: [n / t for n, t in zip(tokens[category][name], by_name[name], strict=True)] for name in order}
         for name in runs:
-            ratios = [base / spent for base, spent in zip(by_name["target"], by_name[name], strict=True)]
+            ratios = [spec / base for base, spec in zip(rate["target"], rate[name], strict=True)]
             result[category][name] = round(statistics.median(ratios), 4)
             result[category][f"{name} range"] = [round(min(ratios), 4), round(max(ratios), 4)]
     return {"speedup": result, "greedy_match": identical}
