@@ -71,6 +71,10 @@ VARIANTS = {
     "confidence 3, probe 8": PaceSettings(confidence=3.0, probe_every=8),
     "margin 1.2": PaceSettings(margin=1.2),
     "margin 1.5": PaceSettings(margin=1.5),
+    "guess misses 0.5": PaceSettings(guess_misses=0.5),
+    "guess misses 2": PaceSettings(guess_misses=2.0),
+    "guess misses 4": PaceSettings(guess_misses=4.0),
+    "guess misses 8": PaceSettings(guess_misses=8.0),
 }
 
 

@@ -71,6 +71,8 @@ class PaceSettings:
     as the draft's mean probability of the tokens verification judged (decayed as the counts are);
     0 keeps the fixed ``prior``. A trained draft's probability of its token tracks its acceptance, and
     arrives with the first proposal, where 0/1 outcomes need several rounds to tell 0.07 from 0.3.
+    guess_misses: the misses a sequence's lookup-guess rate starts from (``guess_rate``), so that a
+    lucky first guess or two on a short answer do not pause a draft for guesses that seldom pay.
 
     The defaults were chosen by replaying the pacer over greedy agreement traces of a trained draft on
     held-out prompts and over synthetic ones of fixed acceptance (``benchmarks/pacing.py``): the
@@ -87,6 +89,7 @@ class PaceSettings:
     margin: float = 1.0
     backoff: float = 2.0
     probe_max: int = 32
+    guess_misses: float = 1.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -102,6 +105,8 @@ class PaceSettings:
             problems.append(f"margin must be >= 1, got {self.margin}")
         if self.backoff < 1:
             problems.append(f"backoff must be >= 1 (1: no back-off), got {self.backoff}")
+        if self.guess_misses < 0:
+            problems.append(f"guess_misses must be a count >= 0, got {self.guess_misses}")
         if self.probe_max < self.probe_every:
             problems.append(f"probe_max ({self.probe_max}) must be at least probe_every ({self.probe_every})")
         if problems:
@@ -158,9 +163,10 @@ class Pacer:
         return accepted / seen if seen else 1.0
 
     def guess_rate(self, seq: int) -> float:
-        """The share of ``seq``'s checked rounds whose lookup guess was the target's next token (0 until
-        guesses are recorded; one phantom miss keeps a lucky first guess from counting as certain)."""
-        return self.guess_hits[seq] / (self.guess_seen[seq] + 1.0)
+        """The share of ``seq``'s checked rounds whose lookup guess was the target's next token, with
+        ``guess_misses`` phantom misses (0 until guesses are recorded)."""
+        seen = self.guess_seen[seq] + self.settings.guess_misses
+        return self.guess_hits[seq] / seen if seen else 0.0
 
     def drafting_pays(self, seq: int) -> bool:
         """Whether a drafting round is expected to emit tokens faster than a paused round (a plain
