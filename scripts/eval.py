@@ -125,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--pause-guess",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with --pace, a paused round also verifies a free guess, the token that followed the sequence's "
-        "latest n-gram earlier in its prompt or answer (prompt lookup), in the row a row-exact pause pads "
-        "anyway; the pacer weighs how often the guess is right against the draft (default: on; exact either way)",
+        help="with --pace and --exact-pauses, a paused round also verifies a free guess, the token that followed "
+        "the sequence's latest n-gram earlier in its prompt or answer (prompt lookup), in the row a row-exact "
+        "pause pads anyway; the pacer weighs how often the guess is right against the draft (default: on; exact "
+        "either way)",
     )
     p.add_argument(
         "--cache", choices=CACHE_KINDS, default=None, help="KV cache kind (default: slot on CPU, static on CUDA)"

@@ -290,7 +290,8 @@ def _chain_round(
     proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
     stats.draft_forwards += (steps := proposal.steps)
     drafted, guesses = proposal.counts, None
-    if progress.pacer is not None and options.pause_guess and getattr(drafter, "takes_guesses", False):
+    guessing = options.pause_guess and options.exact_pauses and getattr(drafter, "takes_guesses", False)
+    if progress.pacer is not None and guessing:
         # Every sequence with room for two tokens looks up a guess: a paused one verifies it in the row
         # a pause pads anyway; for the others it is only checked (the pacer's guess rate, where a
         # round without a guess, -1, counts as a miss: its pause would have emitted one token).

@@ -44,10 +44,11 @@ class DecodeOptions:
         steps, whose logits differ in the last bit in 16-bit dtypes: a near-tie can be decided as
         neither plain decoding nor the row-exact target decides it. Only one-sequence batches and 16-bit dtypes differ;
         unpaced rounds are row-exact.
-    pause_guess: with ``pace``, a paused round of a sequence with room for two tokens also verifies
-        a free guess (``lookup``: the token that followed its latest n-gram earlier in its prompt or
-        answer), for drafters that take one (``takes_guesses``); where it is the target's token the
-        round emits two. Exact either way; the guess rides in the row a row-exact pause pads anyway.
+    pause_guess: with ``pace`` and ``exact_pauses``, a paused round of a sequence with room for two
+        tokens also verifies a free guess (``lookup``: the token that followed its latest n-gram
+        earlier in its prompt or answer), for drafters that take one (``takes_guesses``); where it is
+        the target's token the round emits two. Exact either way; the guess rides in the row a
+        row-exact pause pads anyway (plain one-row pauses take no guess).
     compile: run the decoding steps of both models as compiled graphs over static caches
         (``compiled``; CUDA graphs on CUDA); None compiles on CUDA and decodes eager elsewhere.
         Token trees always decode eager; a draft with its own decoding pair may too.
