@@ -289,17 +289,14 @@ def _chain_round(
     budget = torch.tensor(budget, device=device)
     proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
     stats.draft_forwards += (steps := proposal.steps)
-    drafted, guesses = proposal.counts, None
+    drafted, room = proposal.counts, None
     guessing = options.pause_guess and options.exact_pauses and getattr(drafter, "takes_guesses", False)
     if progress.pacer is not None and guessing:
         # Every sequence with room for two tokens looks up a guess: a paused one verifies it in the row
-        # a pause pads anyway; for the others it is only checked (the pacer's guess rate, where a
-        # round without a guess, -1, counts as a miss: its pause would have emitted one token).
+        # a pause pads anyway; for the others it is only checked (the pacer's guess rate).
         room = [out.remaining(seq) >= 2 for seq in live]
         guesses = [lookup_guess(out.sequences[seq]) if fits else None for seq, fits in zip(live, room, strict=True)]
-        guesses = [-1 if fits and guess is None else guess for guess, fits in zip(guesses, room, strict=True)]
-        paused_guesses = [None if go or guess == -1 else guess for guess, go in zip(guesses, drafts, strict=True)]
-        proposal, guessed = with_guesses(proposal, paused_guesses)
+        proposal, guessed = with_guesses(proposal, [None if go else g for g, go in zip(guesses, drafts, strict=True)])
         drafted = proposal.counts.masked_fill(guessed, 0)
     draft_s = clock.lap()
     if steps:
@@ -319,12 +316,13 @@ def _chain_round(
     n_accepted, next_token = accept(proposal, verification.logits, options.sampling, generator)
     if progress.pacer is not None:
         progress.pacer.record(live, drafted, n_accepted, draft_s, verify_s, proposal.confidence)
-        if guesses is not None:  # the round's first token: the first proposal if kept, else the target's
+        if room is not None:  # the round's first token: the first proposal if kept, else the target's
             first = next_token
             if proposal.tokens.shape[1]:
                 first = torch.where(n_accepted > 0, proposal.tokens[:, 0], next_token)
-            right = [None if g is None else g == token for g, token in zip(guesses, first.tolist(), strict=True)]
-            progress.pacer.record_guesses(live, right)
+            # where there was room, no guess counts as a miss: that pause would have emitted one token
+            checked = zip(guesses, room, first.tolist(), strict=True)
+            progress.pacer.record_guesses(live, [g == token if fits else None for g, fits, token in checked])
 
     # 4. Commit: the drafter sees what verification produced for the committed rows (x_n and the
     #    accepted drafts); emit, then roll both caches back to the committed tokens except the
@@ -428,13 +426,12 @@ def _emit_round(
     proposal: Proposal,
     n_accepted: torch.Tensor,
     next_token: torch.Tensor,
-    drafted_counts: torch.Tensor | None = None,
+    drafted_counts: torch.Tensor,
 ) -> None:
     """Emit each sequence's accepted draft tokens and the target's token after them, and count them.
-    ``drafted_counts`` (B,): the tokens the draft proposed, where the proposal also holds lookup
-    guesses (counted apart: alpha is the draft's)."""
-    accepted, offered = n_accepted.tolist(), proposal.counts.tolist()
-    proposed = offered if drafted_counts is None else drafted_counts.tolist()
+    ``drafted_counts`` (B,): the tokens the draft proposed; a row the proposal holds a token for
+    beyond them holds a lookup guess (counted apart: alpha is the draft's)."""
+    accepted, offered, proposed = n_accepted.tolist(), proposal.counts.tolist(), drafted_counts.tolist()
     drafted, following = proposal.tokens.tolist(), next_token.tolist()
     for row, seq in enumerate(live):
         kept = out.emit(seq, drafted[row][: accepted[row]] + [following[row]])
