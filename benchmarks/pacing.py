@@ -6,18 +6,19 @@ draft's greedy token at output position i, given the target's own output before 
 the target's token there or not. One teacher-forced draft forward over each prompt and the target's
 greedy answer gives that agreement at every position. A round that starts at position i with g
 proposals accepts the run of agreements from i (at most g) and emits one token more; a paused round
-emits one, or two where its lookup guess (``specdec.lookup``: the token after the latest repeat of
-the answer's last n-gram) is the target's token. Replaying the decoder's own ``Pacer`` over those
-traces with a cost model (a plain step 1, a drafting round c * g + v, c and v as eval-run measures
-them) gives, in seconds of CPU, what each pacing rule would do on those prompts: rounds paused,
-tokens per unit time, and the speedup the cost model predicts. It is a model (it leaves out the
-decoder's per-round bookkeeping), so the part that counts is the timed one:
+emits one, plus the lookup guesses (``specdec.lookup``: the tokens after an earlier occurrence of the
+answer's last n-gram) the target keeps, as a drafting round whose chain was all kept does after
+it. Replaying the decoder's own ``Pacer`` over those traces with a cost model (a plain step 1, a
+drafting round c * g + v, each guess ``--row`` more; c and v as eval-run measures them) gives, in
+seconds of CPU, what each pacing rule would do on those prompts: rounds paused, tokens per unit
+time, and the speedup the cost model predicts. It is a model (it leaves out the decoder's per-round
+bookkeeping), so the part that counts is the timed one:
 
-``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced (paused rounds
-verifying lookup guesses, the default), paced without guesses, and with a pacer that never lets a
-sequence draft (guesses only: the decoder's floor), interleaved (each prompt runs the five back to
-back, in a rotating order), greedy output checked against the target's. Per category and overall:
-the measured speedup of each, the median over repeats and its range.
+``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced (rounds
+verifying lookup guesses, the default), paced with other numbers of guess tokens a round, paced
+without guesses, and with a pacer that never lets a sequence draft (guesses only), interleaved (each
+prompt runs them back to back, in a rotating order), greedy output checked against the target's. Per category
+and overall: the measured speedup of each, the median over repeats and its range.
 
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 3
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 30 \
@@ -42,7 +43,7 @@ from kind_runs import decoding_draft
 from draftsmith.specdec import decoder
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import cpu_has_native_bfloat16
-from draftsmith.specdec.lookup import lookup_guess
+from draftsmith.specdec.lookup import STRONG_NGRAM, lookup_continuation
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer, PaceSettings
 from draftsmith.specdec.prompts import encode_chat, read_prompts
@@ -78,65 +79,102 @@ VARIANTS = {
 }
 
 
-def agreement(target, draft, prompt: list[int], answer: list[int]) -> dict:
+def agreement(target, draft, prompt: list[int], answer: list[int], guess_tokens: int) -> dict:
     """Whether the draft's greedy token at each answer position equals the target's, given the
     target's answer before it (one teacher-forced forward of the draft), the probability the draft
-    gave that token (what pacing reads as its confidence), and whether the lookup guess there is the
-    target's token."""
+    gave that token (what pacing reads as its confidence), and how many of the lookup guesses made
+    there (``guess_tokens`` at most) are the target's next tokens."""
     ids = torch.tensor([prompt + answer[:-1]], device=target.device)
     with torch.inference_mode():
         logits = draft(input_ids=ids).logits[0, len(prompt) - 1 :]
     probs = logits.float().softmax(-1)
+    gained, offered, repeats = [], [], []
+    for i in range(len(answer)):
+        (guess, repeat), kept = lookup_continuation(prompt + answer[:i], guess_tokens), 0
+        while kept < len(guess) and i + kept < len(answer) and guess[kept] == answer[i + kept]:
+            kept += 1
+        gained.append(kept)
+        offered.append(len(guess))
+        repeats.append(repeat)
     return {
         "agrees": (logits.argmax(-1) == torch.tensor(answer, device=target.device)).tolist(),
         "confidence": [round(x, 4) for x in probs.max(-1).values.tolist()],
-        "guessed": [lookup_guess(prompt + answer[:i]) == token for i, token in enumerate(answer)],
+        "gained": gained,
+        "offered": offered,
+        "repeat": repeats,
     }
 
 
 def replay(
-    trace: dict, gamma: int, c: float, v: float, pacer: Pacer | None, pause: float = 1.0, guesses: bool = True
+    trace: dict,
+    gamma: int,
+    c: float,
+    v: float,
+    pacer: Pacer | None,
+    pause: float = 1.0,
+    guesses: bool = True,
+    row: float = 0.0,
 ) -> dict:
-    """One sequence decoded by the chain rounds the ``pacer`` (None: never paused) chooses, under the
-    cost model: tokens, model time, rounds and paused rounds. ``pause``: a round without drafts, in
-    target steps (1 for the plain one-row step, v for a row-exact one); with ``guesses`` it also emits
-    the lookup guess where that is the target's token and there is room for two. The answer's first token
-    comes with the prompt's forward, for the target alone as for the decoder, so the rounds start at
-    the second and the target's time is one step per later token."""
-    agrees, sure = trace["agrees"], trace["confidence"]
+    """One sequence decoded by the chain rounds the ``pacer`` (None: never paused, no guesses)
+    chooses, under the cost model: tokens, model time, rounds and paused rounds. ``pause``: a round
+    without drafts, in target steps (1 for the plain one-row step, v for a row-exact one); with
+    ``guesses`` a round whose text repeats ``STRONG_NGRAM`` tokens or more verifies their continuation
+    instead of drafting, a paused round verifies any repeat's, and a drafting round the one after its
+    chain where that repeats (kept only where the whole chain was); each emits the guesses the target
+    keeps, within the answer's room, each verified guess costing ``row`` more. The answer's first
+    token comes with the prompt's forward, for the target alone as for the decoder, so the rounds
+    start at the second and the target's time is one step per later token."""
+    agrees, sure, gained, offered = trace["agrees"], trace["confidence"], trace["gained"], trace["offered"]
     n, pos, spent, rounds, paused = len(agrees), 1, 0.0, 0, 0
+    guessing = guesses and pacer is not None
     while pos < n:
         go = pacer.drafts([0])[0] if pacer is not None else True
-        g = min(gamma, n - pos - 1) if go else 0
+        looked_up = guessing and go and trace["repeat"][pos] >= STRONG_NGRAM  # verifies the repeat's continuation
+        g = min(gamma, n - pos - 1) if go and not looked_up else 0
         rounds += 1
-        if pacer is not None and guesses and pos < n - 1:  # the decoder checks every round's guess
-            pacer.record_guesses([0], [trace["guessed"][pos]])
         if g == 0:
             paused += go is False
-            spent += pause
+            room = n - pos - 1
+            extra = min(gained[pos], room) if guessing else 0
+            # the first guess rides in the row a row-exact step of one sequence pads anyway
+            spent += pause + (row * max(min(offered[pos], room) - 1, 0) if guessing else 0.0)
             if pacer is not None:
                 pacer.record([0], torch.tensor([0]), torch.tensor([0]), 0.0, pause)
-            guess_kept = guesses and go is False and pos < n - 1 and trace["guessed"][pos]
-            pos += 2 if guess_kept else 1
+                if guessing and room >= 1:
+                    pacer.record_guesses([0], [extra])
+            pos += 1 + extra
             continue
         kept = 0
         while kept < g and agrees[pos + kept]:
             kept += 1
-        spent += c * g + v
+        # guesses after the chain where the text with it repeats itself (the target's text where all was kept)
+        end, room = pos + g, n - pos - g - 1
+        tried = min(offered[end], room) if guessing and end < n and trace["repeat"][end] >= STRONG_NGRAM else 0
+        after = min(gained[end], tried) if kept == g else 0
+        spent += c * g + v + row * tried
         if pacer is not None:
             confidence = torch.tensor([sure[pos : pos + g]])
             pacer.record([0], torch.tensor([g]), torch.tensor([kept]), c * g, v, confidence)
-        pos += kept + 1
+            if guessing:  # the guesses made at the round's start, against the tokens it emitted
+                pacer.record_guesses([0], [min(gained[pos], kept + 1 + after)])
+        pos += kept + 1 + after
     return {"tokens": n - 1, "time": spent, "rounds": rounds, "paused": paused}
 
 
 def replay_all(
-    traces: dict[str, list[dict]], gamma: int, c: float, v: float, make_pacer, pause: float = 1.0, guesses: bool = True
+    traces: dict[str, list[dict]],
+    gamma: int,
+    c: float,
+    v: float,
+    make_pacer,
+    pause: float = 1.0,
+    guesses: bool = True,
+    row: float = 0.0,
 ) -> dict:
     """Per category: the model's speedup (target time = tokens) and the share of rounds paused."""
     out = {}
     for category, sequences in traces.items():
-        runs = [replay(a, gamma, c, v, make_pacer(), pause, guesses) for a in sequences]
+        runs = [replay(a, gamma, c, v, make_pacer(), pause, guesses, row) for a in sequences]
         tokens, spent = sum(r["tokens"] for r in runs), sum(r["time"] for r in runs)
         out[category] = {
             "speedup": round(tokens / spent, 4) if spent else 1.0,  # one-token answers: nothing to decode
@@ -147,20 +185,21 @@ def replay_all(
 
 class NeverDrafts(Pacer):
     """A pacer that pauses every sequence in every round: the decoder then runs the target's own
-    steps through its round loop, so its time beside the target alone is the loop's own cost (its
-    bookkeeping and the drafter reading the prompt), the floor no pacing rule can go below."""
+    steps through its round loop, verifying lookup guesses only, so its time beside the target alone
+    is what the guesses gain less the loop's own cost (its bookkeeping, the drafter reading the prompt)."""
 
     def drafts(self, live: list[int]) -> list[bool]:
         return [False] * len(live)
 
 
 def timed(target, draft, prompts, categories, eos, args) -> dict:
-    """Target alone, unpaced decoding, paced decoding (with lookup guesses in paused rounds), paced
-    decoding without them, and the decoder drafting never (guesses only), interleaved per prompt and
-    repeat (rotating order). Per category and repeat the ratio of tokens/s (summed tokens over summed
-    seconds: in bfloat16 the timed target, stepping one row, may end an answer elsewhere than the
-    row-exact output the decoder reproduces, so the answers' lengths can differ); reported: the median
-    over repeats and its range, as ``draftsmith eval`` does (one slow minute of a shared machine moves
+    """Target alone, unpaced decoding, paced decoding (with lookup guesses of ``--guess-tokens``), with
+    ``--guess-variants`` guess tokens, without guesses, and the decoder drafting never (guesses only),
+    interleaved per prompt and repeat (rotating order). Per category and repeat the ratio of tokens/s
+    (summed tokens over summed seconds: in bfloat16 the timed target, stepping one row, may end an
+    answer elsewhere than the row-exact output the decoder reproduces, so the answers' lengths can
+    differ); reported: the median over repeats and its range, as ``draftsmith eval`` does (one slow
+    minute of a shared machine moves
     one repeat, not the figure)."""
     # seconds[category][name][repeat], and the tokens those seconds produced
     seconds = defaultdict(lambda: defaultdict(lambda: [0.0] * args.repeats))
@@ -172,9 +211,14 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
     paced = {"pace": True, "exact_pauses": args.exact_pauses}
     runs = {
         "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
-        "paced": DecodeOptions(gamma=args.gamma, **paced),
-        "paced, no guesses": DecodeOptions(gamma=args.gamma, pause_guess=False, **paced),
-        "never drafting": DecodeOptions(gamma=args.gamma, **paced),  # with the NeverDrafts pacer: guesses only
+        "paced": DecodeOptions(gamma=args.gamma, guess_tokens=args.guess_tokens, **paced),
+        **{
+            f"paced, {n} guess tokens": DecodeOptions(gamma=args.gamma, guess_tokens=n, **paced)
+            for n in args.guess_variants
+        },
+        "paced, no guesses": DecodeOptions(gamma=args.gamma, guesses=False, **paced),
+        # with the NeverDrafts pacer: guesses only
+        "never drafting": DecodeOptions(gamma=args.gamma, guess_tokens=args.guess_tokens, **paced),
     }
     order = ["target", *runs]
     for options in runs.values():  # warm-up, not timed: a process's first decoding calls run slow
@@ -224,6 +268,18 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--c", type=float, default=0.12, help="draft step / target step, for the replay")
     p.add_argument("--v", type=float, default=1.0, help="verification / target step, for the replay")
+    p.add_argument(
+        "--row", type=float, default=0.04, help="one more verification row (a guess) / target step, for the replay"
+    )
+    p.add_argument(
+        "--guess-tokens", type=int, default=DecodeOptions.guess_tokens, help="lookup guesses a round verifies, at most"
+    )
+    p.add_argument(
+        "--guess-variants",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[1, 3],
+        help="--time: also paced with these numbers of guess tokens (comma-separated; default: 1,3)",
+    )
     p.add_argument("--save-traces", default=None, help="write the agreement traces to this JSON file")
     p.add_argument(
         "--time", action="store_true", help="also time target, unpaced, paced and never-drafting decoding side by side"
@@ -260,23 +316,25 @@ def main() -> None:
     traces = defaultdict(list)
     for prompt, category in zip(prompts, categories, strict=True):
         answer = target_generate(target, [prompt], args.max_new_tokens, eos_ids=eos)[0][0]
-        traces[category].append(agreement(target, draft, prompt, answer))
+        traces[category].append(agreement(target, draft, prompt, answer, args.guess_tokens))
     traces["all"] = [t for category in list(traces) for t in traces[category]]
     if args.save_traces:
         Path(args.save_traces).write_text(json.dumps(traces))
     alpha = {k: round(statistics.fmean(x for t in v for x in t["agrees"]), 3) for k, v in traces.items()}
     sure = {k: round(statistics.fmean(x for t in v for x in t["confidence"]), 3) for k, v in traces.items()}
-    guessed = {k: round(statistics.fmean(x for t in v for x in t["guessed"]), 3) for k, v in traces.items()}
+    guessed = {k: round(statistics.fmean(x > 0 for t in v for x in t["gained"]), 3) for k, v in traces.items()}
+    gain = {k: round(statistics.fmean(x for t in v for x in t["gained"]), 3) for k, v in traces.items()}
     print("greedy agreement per position:", alpha)
     print("the draft's mean probability of its token:", sure)
     print("lookup guess agreement per position:", guessed)
+    print(f"lookup guess tokens kept per position (at most {args.guess_tokens}):", gain)
 
     # a round without drafts costs what the decoder's paused rounds cost: a row-exact step, v
     pause = args.v if args.exact_pauses else 1.0
     replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None, pause)}
     for name, settings in VARIANTS.items():
         make = lambda s=settings: Pacer(args.gamma, 1, s)  # noqa: E731
-        replayed[name] = replay_all(traces, args.gamma, args.c, args.v, make, pause)
+        replayed[name] = replay_all(traces, args.gamma, args.c, args.v, make, pause, row=args.row)
     make = lambda: Pacer(args.gamma, 1, PaceSettings())  # noqa: E731
     replayed["pacer, no guesses"] = replay_all(traces, args.gamma, args.c, args.v, make, pause, guesses=False)
     for name, by_category in replayed.items():
@@ -287,10 +345,12 @@ def main() -> None:
         "prompts": str(args.prompts),
         "gamma": args.gamma,
         "dtype": str(dtype).removeprefix("torch."),
-        "cost_model": {"c": args.c, "v": args.v, "pause": pause},
+        "cost_model": {"c": args.c, "v": args.v, "pause": pause, "row": args.row},
+        "guess_tokens": args.guess_tokens,
         "agreement": alpha,
         "confidence": sure,
         "lookup_guess_agreement": guessed,
+        "lookup_guess_tokens_kept": gain,
         "replayed": replayed,
     }
     if args.time:

@@ -122,13 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
         "but in bfloat16 a near-tie in an answer that mixes the two steps may then be decided either way",
     )
     p.add_argument(
-        "--pause-guess",
+        "--guesses",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with --pace and --exact-pauses, a paused round also verifies a free guess, the token that followed "
-        "the sequence's latest n-gram earlier in its prompt or answer (prompt lookup), in the row a row-exact "
-        "pause pads anyway; the pacer weighs how often the guess is right against the draft (default: on; exact "
-        "either way)",
+        help="with --pace and --exact-pauses, a round also verifies lookup guesses, the tokens that followed the "
+        "sequence's latest n-gram earlier in its prompt or answer (prompt lookup): a paused round in the row a "
+        "row-exact pause pads anyway and after it, a drafting round after the draft's chain; the pacer weighs "
+        "what they gain against the draft (default: on; exact either way)",
+    )
+    p.add_argument(
+        "--guess-tokens",
+        type=int,
+        default=DecodeOptions.guess_tokens,
+        help="with --guesses, the most lookup tokens a round verifies (default: %(default)s)",
     )
     p.add_argument(
         "--cache", choices=CACHE_KINDS, default=None, help="KV cache kind (default: slot on CPU, static on CUDA)"
@@ -210,7 +216,8 @@ def decode_options(args: argparse.Namespace) -> DecodeOptions:
         tree=TreeShape.parse(args.tree) if args.tree is not None else None,
         pace=args.pace and args.tree is None,
         exact_pauses=args.exact_pauses,
-        pause_guess=args.pause_guess,
+        guesses=args.guesses,
+        guess_tokens=args.guess_tokens,
         compile=args.compile,
     )
     if options.tree is not None and args.batch_size != 1:

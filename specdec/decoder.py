@@ -37,7 +37,7 @@ from draftsmith.specdec.clock import Clock
 from draftsmith.specdec.compiled import make_stream, resolve_compile
 from draftsmith.specdec.drafters import Drafter, LMDrafter, PairedDraft, Proposal
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.lookup import lookup_guess, with_guesses
+from draftsmith.specdec.lookup import STRONG_NGRAM, lookup_continuation, with_guesses
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.sampling import SamplingParams, choose_token
@@ -61,8 +61,9 @@ class DecodeStats:
     target_forwards: int = 0  # including the prefill
     draft_forwards: int = 0  # including the prefill
     paused: int = 0  # sequence rounds without drafting, where drafting did not pay (``DecodeOptions.pace``)
-    guesses: int = 0  # paused sequence rounds that verified a lookup guess (``DecodeOptions.pause_guess``)
-    guesses_accepted: int = 0  # of those, the ones whose guess was kept (not in proposed / accepted)
+    guesses: int = 0  # lookup-guess tokens verified (``DecodeOptions.guesses``; not in proposed)
+    guesses_accepted: int = 0  # of those, the ones the target kept (not in accepted)
+    lookup_rounds: int = 0  # sequence rounds that verified a lookup continuation instead of drafting
     # (proposed, accepted) of every sequence round that drafted a chain, in order (per-position acceptance)
     round_counts: list[tuple[int, int]] = field(default_factory=list)
     seq_proposed: list[int] = field(default_factory=list)  # per prompt, in input order
@@ -282,22 +283,24 @@ def _chain_round(
     out, stats, clock, generator = progress.out, progress.stats, progress.clock, progress.generator
     device = progress.device
     # 1. Draft: up to gamma tokens each, never past max_new_tokens (a round emits n + 1); nothing
-    #    for a sequence the pacer pauses (its round is a plain target step).
+    #    for a sequence the pacer pauses (its round is a plain target step), nor for one whose last
+    #    tokens repeat earlier text (it verifies their continuation instead: ``lookup``).
     drafts = progress.pacer.drafts(live) if progress.pacer is not None else [True] * len(live)
-    budget = [min(options.gamma, out.remaining(seq) - 1) if go else 0 for seq, go in zip(live, drafts, strict=True)]
     stats.paused += drafts.count(False)
+    guessing = options.guesses and options.exact_pauses and getattr(drafter, "takes_guesses", False)
+    found = None
+    if progress.pacer is not None and guessing:
+        found = [_continuation(out, seq, options.guess_tokens) for seq in live]
+        looked_up = [go and f is not None and f[1] >= STRONG_NGRAM for go, f in zip(drafts, found, strict=True)]
+        stats.lookup_rounds += looked_up.count(True)
+        drafts = [go and not lookup for go, lookup in zip(drafts, looked_up, strict=True)]
+    budget = [min(options.gamma, out.remaining(seq) - 1) if go else 0 for seq, go in zip(live, drafts, strict=True)]
     budget = torch.tensor(budget, device=device)
     proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
     stats.draft_forwards += (steps := proposal.steps)
-    drafted, room = proposal.counts, None
-    guessing = options.pause_guess and options.exact_pauses and getattr(drafter, "takes_guesses", False)
-    if progress.pacer is not None and guessing:
-        # Every sequence with room for two tokens looks up a guess: a paused one verifies it in the row
-        # a pause pads anyway; for the others it is only checked (the pacer's guess rate).
-        room = [out.remaining(seq) >= 2 for seq in live]
-        guesses = [lookup_guess(out.sequences[seq]) if fits else None for seq, fits in zip(live, room, strict=True)]
-        proposal, guessed = with_guesses(proposal, [None if go else g for g, go in zip(guesses, drafts, strict=True)])
-        drafted = proposal.counts.masked_fill(guessed, 0)
+    drafted = proposal.counts
+    if found is not None:
+        proposal = _add_guesses(out, live, proposal, drafts, found, options.guess_tokens)
     draft_s = clock.lap()
     if steps:
         stats.draft_time += draft_s
@@ -315,14 +318,13 @@ def _chain_round(
     # 3. Accept a prefix of each proposal, then one token from the target after it.
     n_accepted, next_token = accept(proposal, verification.logits, options.sampling, generator)
     if progress.pacer is not None:
-        progress.pacer.record(live, drafted, n_accepted, draft_s, verify_s, proposal.confidence)
-        if room is not None:  # the round's first token: the first proposal if kept, else the target's
-            first = next_token
-            if proposal.tokens.shape[1]:
-                first = torch.where(n_accepted > 0, proposal.tokens[:, 0], next_token)
-            # where there was room, no guess counts as a miss: that pause would have emitted one token
-            checked = zip(guesses, room, first.tolist(), strict=True)
-            progress.pacer.record_guesses(live, [g == token if fits else None for g, fits, token in checked])
+        kept = torch.minimum(n_accepted, drafted)  # the draft's tokens kept; guesses after them are not its
+        progress.pacer.record(live, drafted, kept, draft_s, verify_s, proposal.confidence)
+        if found is not None:  # what each round-start continuation would have gained, drafting or not
+            rows = zip(proposal.tokens.tolist(), n_accepted.tolist(), next_token.tolist(), strict=True)
+            emitted = [row[:n] + [token] for row, n, token in rows]
+            gained = [None if f is None else _common_prefix(f[0], e) for f, e in zip(found, emitted, strict=True)]
+            progress.pacer.record_guesses(live, gained)
 
     # 4. Commit: the drafter sees what verification produced for the committed rows (x_n and the
     #    accepted drafts); emit, then roll both caches back to the committed tokens except the
@@ -333,6 +335,50 @@ def _chain_round(
     verifier.rollback(keep)
     drafter.rollback(keep)
     stats.other_time += clock.lap()
+
+
+def _continuation(out: Outputs, seq: int, most: int) -> tuple[list[int], int] | None:
+    """The lookup continuation of sequence ``seq``'s committed text, at most ``most`` tokens and never
+    past its room, and the length of the repeat it follows (``lookup.lookup_continuation``); None
+    where a round has room for no proposal."""
+    room = out.remaining(seq) - 1  # a round emits its proposals and one more
+    return lookup_continuation(out.sequences[seq], min(most, room)) if room >= 1 else None
+
+
+def _add_guesses(
+    out: Outputs,
+    live: list[int],
+    proposal: Proposal,
+    drafts: list[bool],
+    found: list[tuple[list[int], int] | None],
+    most: int,
+) -> Proposal:
+    """``proposal`` with lookup guesses (``lookup``) after each row's proposed tokens: a row that did
+    not draft verifies its continuation ``found`` (a paused row, or a lookup round); a drafting row,
+    the continuation of its text and drafted chain where that repeats ``STRONG_NGRAM`` tokens or
+    more, at most ``most`` tokens and never past the row's room."""
+    counts, drafted = proposal.counts.tolist(), proposal.tokens.tolist()
+    added = []
+    for row, (seq, go, start) in enumerate(zip(live, drafts, found, strict=True)):
+        left = min(most, out.remaining(seq) - 1 - counts[row])
+        if not go:
+            added.append(start[0] if start is not None else [])
+        elif left >= 1:
+            after, repeat = lookup_continuation(out.sequences[seq] + drafted[row][: counts[row]], left)
+            added.append(after if repeat >= STRONG_NGRAM else [])
+        else:
+            added.append([])
+    return with_guesses(proposal, added)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def decodes_compiled(target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> bool:
@@ -349,7 +395,8 @@ def decoding_capacity(prompts: list[list[int]], max_new_tokens: int, options: De
     if options.tree is not None:
         # A round adds x_n and the tree's nodes to the caches before compacting them.
         return max(len(p) for p in prompts) + max_new_tokens + options.tree.max_nodes + 2
-    widest = max([options.gamma + 1, *options.verify_widths.values()])
+    guessed = options.guess_tokens if options.pace and options.guesses else 0
+    widest = max([options.gamma + 1 + guessed, *options.verify_widths.values()])
     # A round adds at most `widest` slots; with batch > 1 a ragged round also leaves holes behind.
     extra = max_new_tokens + widest + 1 if len(prompts) == 1 else (max_new_tokens + 1) * widest + 1
     return max(len(p) for p in prompts) + extra
@@ -428,24 +475,23 @@ def _emit_round(
     next_token: torch.Tensor,
     drafted_counts: torch.Tensor,
 ) -> None:
-    """Emit each sequence's accepted draft tokens and the target's token after them, and count them.
-    ``drafted_counts`` (B,): the tokens the draft proposed; a row the proposal holds a token for
-    beyond them holds a lookup guess (counted apart: alpha is the draft's)."""
+    """Emit each sequence's accepted tokens and the target's token after them, and count them.
+    ``drafted_counts`` (B,): the tokens the draft proposed; those a row holds beyond them are lookup
+    guesses (counted apart: alpha is the draft's)."""
     accepted, offered, proposed = n_accepted.tolist(), proposal.counts.tolist(), drafted_counts.tolist()
-    drafted, following = proposal.tokens.tolist(), next_token.tolist()
+    tokens, following = proposal.tokens.tolist(), next_token.tolist()
     for row, seq in enumerate(live):
-        kept = out.emit(seq, drafted[row][: accepted[row]] + [following[row]])
+        kept = out.emit(seq, tokens[row][: accepted[row]] + [following[row]])
         stats.new_tokens += kept
         stats.round_tokens += kept
-        if offered[row] and not proposed[row]:  # a lookup guess
-            stats.guesses += 1
-            stats.guesses_accepted += accepted[row]
-            continue
+        drafts = min(accepted[row], proposed[row])
+        stats.guesses += offered[row] - proposed[row]
+        stats.guesses_accepted += accepted[row] - drafts
         stats.proposed += proposed[row]
-        stats.accepted += accepted[row]
+        stats.accepted += drafts
         stats.seq_proposed[seq] += proposed[row]
-        stats.seq_accepted[seq] += accepted[row]
+        stats.seq_accepted[seq] += drafts
         if proposed[row]:
-            stats.round_counts.append((proposed[row], accepted[row]))
+            stats.round_counts.append((proposed[row], drafts))
     stats.rounds += 1
     stats.seq_rounds += len(live)

@@ -44,11 +44,13 @@ class DecodeOptions:
         steps, whose logits differ in the last bit in 16-bit dtypes: a near-tie can be decided as
         neither plain decoding nor the row-exact target decides it. Only one-sequence batches and 16-bit dtypes differ;
         unpaced rounds are row-exact.
-    pause_guess: with ``pace`` and ``exact_pauses``, a paused round of a sequence with room for two
-        tokens also verifies a free guess (``lookup``: the token that followed its latest n-gram
-        earlier in its prompt or answer), for drafters that take one (``takes_guesses``); where it is
-        the target's token the round emits two. Exact either way; the guess rides in the row a
-        row-exact pause pads anyway (plain one-row pauses take no guess).
+    guesses: with ``pace`` and ``exact_pauses``, a round also verifies lookup guesses (``lookup``: the
+        tokens that followed the sequence's latest n-gram earlier in its prompt or answer), for
+        drafters that take them (``takes_guesses``): a paused round in the row it pads anyway and
+        after it, a drafting round after the draft's chain. Where they are the target's tokens the
+        round emits them too. Exact either way (plain one-row pauses take none).
+    guess_tokens: the most lookup tokens a round verifies with ``guesses`` (each costs a row of the
+        verification).
     compile: run the decoding steps of both models as compiled graphs over static caches
         (``compiled``; CUDA graphs on CUDA); None compiles on CUDA and decodes eager elsewhere.
         Token trees always decode eager; a draft with its own decoding pair may too.
@@ -65,12 +67,15 @@ class DecodeOptions:
     pace: bool = False
     pace_settings: PaceSettings = PaceSettings()
     exact_pauses: bool = True
-    pause_guess: bool = True
+    guesses: bool = True
+    guess_tokens: int = 2
     compile: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
             raise DraftsmithError(f"gamma must be an integer >= 1, got {self.gamma!r}")
+        if isinstance(self.guess_tokens, bool) or not isinstance(self.guess_tokens, int) or self.guess_tokens < 1:
+            raise DraftsmithError(f"guess_tokens must be an integer >= 1, got {self.guess_tokens!r}")
         if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
             raise DraftsmithError(f"confidence threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.cache_kind is not None and self.cache_kind not in CACHE_KINDS:

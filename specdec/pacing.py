@@ -18,11 +18,13 @@ sampled decoding alike (there is no draft token to accept or reject). Every ``pr
 rounds it drafts one round again, so a sequence whose text turns predictable resumes. The drafter
 reads the tokens of the paused rounds when it next drafts, as it reads x_n in any round.
 
-With lookup guesses (``DecodeOptions.pause_guess``, ``lookup``) a paused round also verifies a free
-guess and emits ``1 + h`` tokens on average, ``h`` the share of the sequence's rounds whose guess
-was the target's next token (checked in every round, drafting or not, so it is known before the
-sequence is ever paused). Drafting then pays while ``tau * t_step > (1 + h) * (t_draft + t_verify)``:
-where the text repeats itself more often than the draft agrees with the target, the guesses win.
+With lookup guesses (``DecodeOptions.guesses``, ``lookup``) a paused round also verifies up to
+``guess_tokens`` tokens copied from the sequence itself and emits ``1 + h`` tokens on average, ``h``
+the guess tokens the target kept per round (measured in every round, drafting or not, against the
+tokens the round emitted, so it is known before the sequence is ever paused); a drafting round
+verifies such a copy after its chain, which counts where the whole chain was accepted. Drafting then
+pays while ``(tau + a^g h) * t_step > (1 + h) * (t_draft + t_verify)``: where the text repeats
+itself more often than the draft agrees with the target, the guesses win.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ class PaceSettings:
     as the draft's mean probability of the tokens verification judged (decayed as the counts are);
     0 keeps the fixed ``prior``. A trained draft's probability of its token tracks its acceptance, and
     arrives with the first proposal, where 0/1 outcomes need several rounds to tell 0.07 from 0.3.
-    guess_misses: the misses a sequence's lookup-guess rate starts from (``guess_rate``), so that a
-    lucky first guess or two on a short answer do not pause a draft for guesses that seldom pay.
+    guess_misses: the rounds without a kept guess a sequence's guess gain starts from (``guess_gain``),
+    so that a lucky first guess or two on a short answer do not pause a draft for guesses that seldom pay.
 
     The defaults were chosen by replaying the pacer over greedy agreement traces of a trained draft on
     held-out prompts and over synthetic ones of fixed acceptance (``benchmarks/pacing.py``): the
@@ -127,8 +129,8 @@ class Pacer:
     probes: list[int] = field(init=False)  # probe rounds in a row after which drafting still did not pay
     sure: list[float] = field(init=False)  # decayed sum of the draft's probability of its verified tokens
     judged: list[float] = field(init=False)  # decayed count of those tokens
-    guess_hits: list[float] = field(init=False)  # decayed rounds whose lookup guess was the target's token
-    guess_seen: list[float] = field(init=False)  # decayed rounds with a guess to check
+    guess_hits: list[float] = field(init=False)  # decayed lookup-guess tokens the target would keep, per round
+    guess_seen: list[float] = field(init=False)  # decayed rounds with room for a guess
     resuming: bool = field(init=False, default=False)  # a sequence drafts this round after paused rounds
     draft_s: Average = field(default_factory=Average)  # seconds of drafting, per drafting round
     verify_s: Average = field(default_factory=Average)  # seconds of a verification with drafts
@@ -162,19 +164,21 @@ class Pacer:
         seen = accepted + self.rejected[seq] + prior[1]
         return accepted / seen if seen else 1.0
 
-    def guess_rate(self, seq: int) -> float:
-        """The share of ``seq``'s checked rounds whose lookup guess was the target's next token, with
-        ``guess_misses`` phantom misses (0 until guesses are recorded)."""
+    def guess_gain(self, seq: int) -> float:
+        """The lookup-guess tokens a round of ``seq`` gains on average (kept by the target), with
+        ``guess_misses`` phantom rounds that gained none (0 until guesses are recorded)."""
         seen = self.guess_seen[seq] + self.settings.guess_misses
         return self.guess_hits[seq] / seen if seen else 0.0
 
     def drafting_pays(self, seq: int) -> bool:
         """Whether a drafting round is expected to emit tokens faster than a paused round (a plain
-        step, plus its lookup guess where guesses are recorded), for ``seq``."""
+        step, plus its lookup guesses where guesses are recorded), for ``seq``."""
         if self.draft_s.value is None or self.verify_s.value is None:
             return True
-        drafting = (self.draft_s.value + self.verify_s.value) * (1.0 + self.guess_rate(seq))
-        tokens = expected_tokens(self.alpha(seq), self.gamma)
+        gain, alpha = self.guess_gain(seq), self.alpha(seq)
+        drafting = self.draft_s.value + self.verify_s.value
+        # a drafting round's guesses follow its chain: they count where every draft token was kept
+        tokens = (expected_tokens(alpha, self.gamma) + alpha**self.gamma * gain) / (1.0 + gain)
         if self.step_s.value is None:
             # No plain step timed yet. A step costs at most a verification over more tokens, so with
             # t_step = t_verify drafting looks its best: a sequence it clearly pays for even then
@@ -182,13 +186,13 @@ class Pacer:
             return tokens * self.verify_s.value > self.settings.margin * drafting
         return tokens * self.step_s.value > drafting
 
-    def record_guesses(self, live: list[int], right: list[bool | None]) -> None:
-        """Whether each sequence's lookup guess this round was the target's next token (None: no
-        guess), decayed as the acceptance counts are."""
+    def record_guesses(self, live: list[int], gained: list[int | None]) -> None:
+        """How many of each sequence's lookup-guess tokens this round were (or would have been) the
+        target's (None: no room for a guess), decayed as the acceptance counts are."""
         decay = self.settings.decay
-        for seq, hit in zip(live, right, strict=True):
-            if hit is not None:
-                self.guess_hits[seq] = decay * self.guess_hits[seq] + hit
+        for seq, kept in zip(live, gained, strict=True):
+            if kept is not None:
+                self.guess_hits[seq] = decay * self.guess_hits[seq] + kept
                 self.guess_seen[seq] = decay * self.guess_seen[seq] + 1.0
 
     def probe_interval(self, seq: int) -> int:

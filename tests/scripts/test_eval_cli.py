@@ -89,14 +89,14 @@ def test_greedy_report(pair, prompts, tmp_path, capsys):
     assert f"speedup over 2 repeats: min {spread['min']:.2f}, max {spread['max']:.2f}" in table
 
 
-def test_paused_rounds_verify_lookup_guesses_unless_asked_not_to(pair, prompts, tmp_path):
-    # an untrained draft is paused; its paused rounds verify lookup guesses, counted apart from alpha
+def test_rounds_verify_lookup_guesses_unless_asked_not_to(pair, prompts, tmp_path):
+    # an untrained draft is paused; rounds verify lookup guesses, counted apart from alpha
     code, out = run_eval(pair, prompts, tmp_path, "--gamma", "2", "--max-new-tokens", "32")
     assert code == 0
     report = json.loads(out.read_text())
     assert report["greedy_match"] == 1.0 and report["paused_share"] > 0
     assert report["guesses"] > 0 and 0 <= report["guesses_accepted"] <= report["guesses"]
-    code, out = run_eval(pair, prompts, tmp_path, "--gamma", "2", "--max-new-tokens", "32", "--no-pause-guess")
+    code, out = run_eval(pair, prompts, tmp_path, "--gamma", "2", "--max-new-tokens", "32", "--no-guesses")
     assert code == 0
     report = json.loads(out.read_text())
     assert report["greedy_match"] == 1.0 and report["guesses"] == 0

@@ -9,11 +9,12 @@ import torch
 from draftsmith.distill.drafts import KINDS
 from draftsmith.distill.drafts.kind import DraftSettings
 from draftsmith.specdec.decoder import speculative_generate, target_generate
-from draftsmith.specdec.lookup import lookup_guess, with_guesses
+from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.lookup import lookup_continuation, lookup_guess, with_guesses
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.proposal import Proposal
-from tests.helpers import noisy_copy, tiny_llama
+from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,23 +32,39 @@ def test_the_longest_repeated_ngram_wins_and_its_latest_occurrence():
     assert lookup_guess([1, 2, 3, 1, 2, 3, 1, 2], max_ngram=1) == 3
 
 
-def test_guesses_fill_only_rows_that_proposed_nothing_with_q_one_hot():
+def test_the_continuation_is_what_followed_the_match_up_to_the_length_asked():
+    sequence = [6, 7, 8, 9, 4, 1, 8, 9, 5, 7, 8, 9]
+    assert lookup_continuation(sequence, 3) == ([4, 1, 8], 3)  # after the trigram (7, 8, 9) at 1..3
+    assert lookup_continuation(sequence, 1) == ([4], 3) and lookup_continuation(sequence, 0) == ([], 0)
+    assert lookup_continuation([5, 1, 2, 5], 4) == ([1, 2, 5], 1)  # it stops where the sequence does
+    # a run: the latest occurrence of (3, 3, 3) is followed by one token, an earlier one by three
+    assert lookup_continuation([1, 3, 3, 3, 3, 3, 3], 3) == ([3, 3, 3], 3)
+    assert lookup_continuation([1, 2, 1, 2, 1], 3) == ([2, 1], 3)  # no occurrence of (1, 2, 1) followed by three
+    assert lookup_continuation([1, 2, 3], 2) == ([], 0)
+
+
+def test_guesses_follow_each_rows_proposed_tokens_with_q_one_hot():
     # rows 0 and 2 drafted 2 and 1 tokens from q; row 1 was paused, row 3 paused without a guess
     probs = torch.full((4, 2, 10), 0.1)
-    proposal = Proposal(torch.tensor([[3, 4], [0, 0], [5, 0], [0, 0]]), probs, torch.tensor([2, 0, 1, 0]))
-    guessed_proposal, guessed = with_guesses(proposal, [None, 7, None, None])
-    assert guessed.tolist() == [False, True, False, False]
-    assert guessed_proposal.tokens.tolist() == [[3, 4], [7, 0], [5, 0], [0, 0]]
-    assert guessed_proposal.counts.tolist() == [2, 1, 1, 0]
-    assert guessed_proposal.probs[1, 0].tolist() == [0.0] * 7 + [1.0] + [0.0] * 2
-    assert torch.equal(guessed_proposal.probs[0], probs[0]) and torch.equal(proposal.probs, torch.full((4, 2, 10), 0.1))
-    # a round where nobody drafted gets a column for the guesses; greedy proposals keep q implicit (one-hot)
+    confidence = torch.full((4, 2), 0.4)
+    tokens, counts = torch.tensor([[3, 4], [0, 0], [5, 6], [0, 0]]), torch.tensor([2, 0, 1, 0])
+    proposal = Proposal(tokens, probs, counts, None, confidence)
+    guessed = with_guesses(proposal, [[8], [7, 2], [9, 1], []])
+    assert guessed.tokens.tolist() == [[3, 4, 8], [7, 2, 0], [5, 9, 1], [0, 0, 0]]
+    assert guessed.counts.tolist() == [3, 2, 3, 0]
+    one_hot = lambda token: [0.0] * token + [1.0] + [0.0] * (9 - token)  # noqa: E731
+    assert guessed.probs[0, 2].tolist() == one_hot(8) and guessed.probs[2, 1].tolist() == one_hot(9)
+    assert guessed.probs[1, 0].tolist() == one_hot(7) and guessed.probs[1, 1].tolist() == one_hot(2)
+    assert torch.equal(guessed.probs[0, :2], probs[0]) and torch.equal(proposal.probs, torch.full((4, 2, 10), 0.1))
+    assert guessed.confidence.tolist()[0] == pytest.approx([0.4, 0.4, 0.0])  # the draft's own, guesses none
+    assert proposal.counts.tolist() == [2, 0, 1, 0]  # the proposal itself is left as it was
+    # a round where nobody drafted gets columns for the guesses; greedy proposals keep q implicit (one-hot)
     empty = Proposal(torch.zeros(2, 0, dtype=torch.long), None, torch.tensor([0, 0]))
-    widened, guessed = with_guesses(empty, [None, 9])
+    widened = with_guesses(empty, [[], [9]])
     assert widened.tokens.tolist() == [[0], [9]] and widened.counts.tolist() == [0, 1] and widened.probs is None
-    assert with_guesses(empty, [None, None])[0] is empty
-    with pytest.raises(ValueError, match="proposed nothing"):
-        with_guesses(proposal, [1, None, None, None])
+    assert with_guesses(empty, [[], []]) is empty
+    with pytest.raises(DraftsmithError, match="guess_tokens must be an integer >= 1"):
+        DecodeOptions(guess_tokens=0)
 
 
 def test_paused_rounds_verify_guesses_and_stay_greedy_identical(monkeypatch):
@@ -56,10 +73,10 @@ def test_paused_rounds_verify_guesses_and_stay_greedy_identical(monkeypatch):
     expected = target_generate(target, prompts, 24)[0]
     draft = noisy_copy(target, 3.0)
 
-    def run(pause_guess: bool):
+    def run(guesses: bool, guess_tokens: int = 2):
         schedule = itertools.cycle([True, False, False, False])
         monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: next(schedule))
-        options = DecodeOptions(gamma=2, pace=True, pause_guess=pause_guess)
+        options = DecodeOptions(gamma=2, pace=True, guesses=guesses, guess_tokens=guess_tokens)
         return speculative_generate(target, draft, prompts, 24, options)
 
     out, stats = run(True)
@@ -73,6 +90,38 @@ def test_paused_rounds_verify_guesses_and_stay_greedy_identical(monkeypatch):
     assert stats.proposed == sum(p for p, _ in stats.round_counts)
     assert stats.accepted == sum(a for _, a in stats.round_counts)
     assert stats.round_tokens == stats.seq_rounds + stats.accepted + stats.guesses_accepted
+    # one guess token a round against four: fewer verified and kept, the output the same
+    out, one = run(True, guess_tokens=1)
+    assert out == expected
+    out, four = run(True, guess_tokens=4)
+    assert out == expected and four.guesses > one.guesses and four.guesses_accepted > one.guesses_accepted
+    assert four.seq_rounds < one.seq_rounds
+
+
+def test_drafting_rounds_verify_guesses_after_the_chain_for_every_kind_that_takes_them(monkeypatch):
+    # Never paused: guesses follow a drafted chain or take a round's place, and the drafter must read
+    # the kept guesses (committed tokens it never proposed) before its next proposal.
+    target = tiny_llama(vocab=32, layers=4, sharpness=8.0)
+    monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: True)
+    prompt = [[0, 5, 9, 4, 5, 9, 4, 5, 9, 4]]
+    expected = target_generate(target, prompt, 24)[0]
+    options = {"eagle3": {"aux_layers": [1, 2, 3]}, "parallel": {"mask_token_id": 31}, "dflash": {"mask_token_id": 31}}
+    for name, kind in KINDS.items():
+        torch.manual_seed(0)
+        settings = DraftSettings(kind=name, layers="1", options=options.get(name, {}))
+        draft = kind.build(settings, target, tiny_tokenizer(32), target.device).eval()
+        for gamma in (1, 3):
+            out, stats = speculative_generate(target, draft, prompt, 24, DecodeOptions(gamma=gamma, pace=True))
+            assert out == expected, (name, gamma)
+            assert stats.paused == 0
+            assert stats.round_tokens == stats.seq_rounds + stats.accepted + stats.guesses_accepted
+            if name == "early_exit":
+                assert stats.guesses == 0 and stats.lookup_rounds == 0
+            else:
+                assert stats.guesses > 0 and (gamma > 1 or stats.guesses_accepted > 0), (name, gamma)
+                # where the text repeats two tokens or more the round verifies their continuation instead
+                assert 0 < stats.lookup_rounds < stats.rounds, (name, gamma)
+                assert stats.proposed == sum(p for p, _ in stats.round_counts) <= gamma * stats.rounds
 
 
 def test_no_guess_without_room_for_two_tokens_or_for_a_drafter_that_reuses_its_states(monkeypatch):

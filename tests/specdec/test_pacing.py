@@ -204,8 +204,8 @@ def test_a_paced_proposal_carries_the_drafts_probability_of_each_token():
     assert torch.allclose(sampled.confidence[:, 0], probs.gather(-1, drawn[:, None])[:, 0])
 
 
-def decode(target, draft, prompts, gamma, pace, **sampling):
-    options = DecodeOptions(gamma=gamma, pace=pace, sampling=SamplingParams(**sampling))
+def decode(target, draft, prompts, gamma, pace, guesses=True, **sampling):
+    options = DecodeOptions(gamma=gamma, pace=pace, guesses=guesses, sampling=SamplingParams(**sampling))
     return speculative_generate(target, draft, prompts, 24, options, generator=torch.Generator().manual_seed(0))
 
 
@@ -218,8 +218,9 @@ def test_a_draft_that_never_agrees_is_paused_and_a_perfect_one_at_most_once(targ
     unpaced = decode(target, bad, PROMPTS, gamma=3, pace=False)[1]
     assert stats.paused > 0 and unpaced.paused == 0
     assert stats.proposed < unpaced.proposed and stats.draft_forwards < unpaced.draft_forwards
-    out, stats = decode(target, target, PROMPTS, gamma=3, pace=True)
-    # A perfect draft is paused at most once per sequence (a plain round that times a step).
+    # A perfect draft is paused at most once per sequence (a plain round that times a step). Without
+    # lookup guesses: these answers end in runs of one token, which guesses copy as well as it drafts.
+    out, stats = decode(target, target, PROMPTS, gamma=3, pace=True, guesses=False)
     assert out == expected and stats.paused <= len(PROMPTS)
     assert stats.accepted == stats.proposed  # a draft equal to the target: every round emits gamma + 1
 
@@ -260,7 +261,7 @@ def test_a_round_where_every_sequence_is_paused_runs_no_draft_forward(target, mo
     # probes every 4 paused rounds (no back-off): drafting rounds enough that the prompt's forward,
     # shared by all of them, weighs in both runs alike; no lookup guesses, which would change how
     # many rounds (and probes) the answer takes between the two runs
-    options = DecodeOptions(gamma=2, pace=True, pace_settings=PaceSettings(backoff=1.0), pause_guess=False)
+    options = DecodeOptions(gamma=2, pace=True, pace_settings=PaceSettings(backoff=1.0), guesses=False)
 
     def linear_calls_per_drafting_round(schedule) -> tuple[float, int]:
         monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: next(schedule))
@@ -287,7 +288,7 @@ def test_paused_sampling_is_distributed_as_the_target(target, monkeypatch):
     params = SamplingParams(temperature=1.0)
     first, second, stats = sample_spec(target, noisy_copy(target, 0.8), params, gamma=3, pace=True)
     assert stats.paused > 1000 and stats.proposed > 1000
-    assert stats.guesses > 500  # paused rounds verify lookup guesses too, q one-hot beside rows drawn from q
+    assert stats.guesses > 500  # rounds verify lookup guesses too, q one-hot beside rows drawn from q
     assert_fits(target, params, first, second)
 
 
@@ -334,19 +335,24 @@ def test_pace_settings_are_decode_options_and_bad_ones_are_refused(target):
 def test_a_sequence_whose_text_repeats_itself_pauses_for_its_lookup_guesses():
     # gamma 1, alpha 2 / 4.5 (counts 1.5 / 1.5 plus the prior's 0.5 / 1): 1.44 tokens a drafting round
     # of 0.13 + 1.05 steps, against one token for a plain step of 1.05: 1.52 > 1.18, drafting pays.
-    # With guesses a paused round emits 1 + h tokens: the draft keeps drafting while 1.52 > 1.18 (1 + h).
+    # With guesses gaining h tokens a round, a paused round emits 1 + h and a drafting round
+    # 1.44 + 0.44 h (its guesses follow its draft token): drafting pays while h < 0.47.
     pacer = timed_pacer(1, 0.13, 1.05, 1.05, (1.5, 1.5), confidence=0.0)
     assert pacer.alpha(0) == pytest.approx(2.0 / 4.5)
-    assert pacer.guess_rate(0) == 0.0 and pacer.drafting_pays(0)
-    pacer.record_guesses([0], [True])
-    assert pacer.guess_rate(0) == pytest.approx(0.5)  # one hit, one phantom miss
-    pacer.record_guesses([0], [None])  # no guess this round: nothing changes
-    assert pacer.guess_rate(0) == pytest.approx(0.5)
-    assert not pacer.drafting_pays(0)  # 1.52 < 1.18 * 1.5
-    for hit in [False, False, False, True, False, False, False]:
-        pacer.record_guesses([0], [hit])
+    assert pacer.guess_gain(0) == 0.0 and pacer.drafting_pays(0)
+    pacer.record_guesses([0], [1])
+    assert pacer.guess_gain(0) == pytest.approx(0.5)  # one token gained, one phantom round without
+    pacer.record_guesses([0], [None])  # no room for a guess this round: nothing changes
+    assert pacer.guess_gain(0) == pytest.approx(0.5)
+    assert not pacer.drafting_pays(0)  # (1.44 + 0.22) * 1.05 < 1.18 * 1.5
+    for gained in [0, 0, 0, 1, 0, 0, 0]:
+        pacer.record_guesses([0], [gained])
     decay, hits, seen = PaceSettings().decay, 0.0, 0.0
-    for hit in [True, False, False, False, True, False, False, False]:
-        hits, seen = decay * hits + hit, decay * seen + 1
-    assert pacer.guess_rate(0) == pytest.approx(hits / (seen + 1))  # decayed as the acceptance counts are
-    assert pacer.guess_rate(0) < 0.25 and pacer.drafting_pays(0)  # guesses right a quarter of the time: draft
+    for gained in [1, 0, 0, 0, 1, 0, 0, 0]:
+        hits, seen = decay * hits + gained, decay * seen + 1
+    assert pacer.guess_gain(0) == pytest.approx(hits / (seen + 1))  # decayed as the acceptance counts are
+    assert pacer.guess_gain(0) < 0.25 and pacer.drafting_pays(0)  # a quarter of a token a round: draft
+    # rounds whose guesses would each have kept two tokens: a paused round's 3 tokens beat drafting
+    for _ in range(6):
+        pacer.record_guesses([0], [2])
+    assert pacer.guess_gain(0) > 0.9 and not pacer.drafting_pays(0)
