@@ -199,8 +199,7 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
     (summed tokens over summed seconds: in bfloat16 the timed target, stepping one row, may end an
     answer elsewhere than the row-exact output the decoder reproduces, so the answers' lengths can
     differ); reported: the median over repeats and its range, as ``draftsmith eval`` does (one slow
-    minute of a shared machine moves
-    one repeat, not the figure)."""
+    minute of a shared machine moves one repeat, not the figure)."""
     # seconds[category][name][repeat], and the tokens those seconds produced
     seconds = defaultdict(lambda: defaultdict(lambda: [0.0] * args.repeats))
     tokens = defaultdict(lambda: defaultdict(lambda: [0] * args.repeats))
@@ -277,8 +276,8 @@ def main() -> None:
     p.add_argument(
         "--guess-variants",
         type=lambda text: [int(n) for n in text.split(",") if n],
-        default=[1, 3],
-        help="--time: also paced with these numbers of guess tokens (comma-separated; default: 1,3)",
+        default=[1, 2],
+        help="--time: also paced with these numbers of guess tokens (comma-separated; default: 1,2)",
     )
     p.add_argument("--save-traces", default=None, help="write the agreement traces to this JSON file")
     p.add_argument(

@@ -68,7 +68,7 @@ class DecodeOptions:
     pace_settings: PaceSettings = PaceSettings()
     exact_pauses: bool = True
     guesses: bool = True
-    guess_tokens: int = 2
+    guess_tokens: int = 3
     compile: bool | None = None
 
     def __post_init__(self) -> None:
