@@ -320,6 +320,16 @@ def _measured(report: dict, results: dict) -> list[str]:
             f"{r['mean_accepted_tokens']:.2f} | {r['speedup']:.2f}x |"
         )
     first = results.get(str(report["temperatures"][0]), {})
+    kept = sum(r.get("guesses_accepted", 0) for r in results.values())
+    if kept:
+        lines += [
+            "",
+            "The bundled decoder paces drafting (a sequence stops drafting while it does not pay) and verifies "
+            "lookup guesses beside the draft's tokens: tokens copied from the prompt and the answer where they "
+            f"repeat themselves ({kept} kept in these runs). Both are part of the speedup above; transformers' and "
+            "vLLM's decoding with this draft do neither. `draftsmith eval --no-guesses --no-pace` measures the "
+            "draft alone.",
+        ]
     if first.get("best_tree"):
         tree = first["trees"][first["best_tree"]]
         lines += [

@@ -49,6 +49,9 @@ class GammaFigures:
     speedup_spread: Spread | None
     paused_share: float | None
     acceptance_by_position: list[float] | None
+    guesses: int = 0  # lookup-guess tokens verified beside the draft's (``specdec.lookup``)
+    guesses_accepted: int = 0
+    lookup_rounds: int = 0
 
     @classmethod
     def of(cls, report: PairReport):

@@ -48,6 +48,7 @@ def pair_metrics(
         time_split_s=TimeSplit(sp.prefill_time, sp.draft_time + sp.paused_draft_time, sp.verify_time, sp.other_time),
         guesses=sp.guesses,
         guesses_accepted=sp.guesses_accepted,
+        lookup_rounds=sp.lookup_rounds,
     )
 
 

@@ -36,7 +36,8 @@ class PairFigures:
 
     acceptance_by_position: of chain rounds only; nodes_per_round: of token-tree rounds only;
     paused_share: the sequence rounds that did not draft because the pacer found drafting did not pay;
-    guesses, guesses_accepted: the lookup guesses those rounds verified, and kept (not in alpha).
+    guesses, guesses_accepted: the lookup-guess tokens the rounds verified, and kept (not in alpha);
+    lookup_rounds: the sequence rounds that verified a lookup continuation instead of drafting.
     """
 
     acceptance_rate: float | None
@@ -56,6 +57,7 @@ class PairFigures:
     time_split_s: TimeSplit
     guesses: int = 0
     guesses_accepted: int = 0
+    lookup_rounds: int = 0
 
     def to_json(self) -> dict:
         return {name: plain(value) for name, value in fields_of(PairFigures, self).items()}

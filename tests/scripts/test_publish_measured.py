@@ -155,3 +155,18 @@ def test_publish_refuses_a_file_as_out_and_a_run_measured_nothing(published, tmp
     assert main(["publish", str(broken / "checkpoint-2"), "--out", str(tmp_path / "out")]) == 2
     one_line_error(capsys, "has no figures for checkpoint-2")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_card_says_when_the_speedup_includes_lookup_guesses(published):
+    from draftsmith.train.publish import _measured
+
+    run_dir, _, _ = published
+    report = json.loads((run_dir / "speedup_report.json").read_text())
+    measured = next(iter(report["results"].values()))
+    with_guesses = {t: {**r, "guesses_accepted": 7} for t, r in measured.items()}
+    without = {t: {**r, "guesses_accepted": 0} for t, r in measured.items()}
+    text = "\n".join(_measured(report, with_guesses))
+    assert f"({7 * len(measured)} kept in these runs)" in text and "`draftsmith eval --no-guesses --no-pace`" in text
+    assert "lookup guesses" not in "\n".join(_measured(report, without))
+    # eval-run keeps the counts beside the speedup
+    assert all({"guesses", "guesses_accepted", "lookup_rounds"} <= set(r) for r in measured.values())

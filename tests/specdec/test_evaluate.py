@@ -107,7 +107,7 @@ def test_every_pair_times_its_own_target_runs_interleaved_with_the_drafts(monkey
 FIGURE_KEYS = {
     "acceptance_rate", "mean_accepted_tokens", "target_tokens_per_s", "spec_tokens_per_s", "speedup", "cost_ratio_c",
     "verify_ratio_v", "predicted_speedup", "efficiency", "nodes_per_round", "proposed", "accepted",
-    "acceptance_by_position", "paused_share", "time_split_s", "guesses", "guesses_accepted",
+    "acceptance_by_position", "paused_share", "time_split_s", "guesses", "guesses_accepted", "lookup_rounds",
 }  # fmt: skip
 REPORT_KEYS = {
     "speedup_per_repeat", "speedup_spread", "cost_ratio_c_spread", "greedy_match", "per_category", "gamma", "tree",
