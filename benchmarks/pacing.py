@@ -41,12 +41,15 @@ from common import PROMPTS, default_target, machine, save
 from kind_runs import decoding_draft
 
 from draftsmith.specdec import decoder
+from draftsmith.specdec.cache import default_cache_kind
+from draftsmith.specdec.compiled import make_stream
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.loading import cpu_has_native_bfloat16
 from draftsmith.specdec.lookup import STRONG_NGRAM, lookup_continuation
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer, PaceSettings
 from draftsmith.specdec.prompts import encode_chat, read_prompts
+from draftsmith.specdec.stream import decoding_threads
 
 # The pacer's defaults, and other settings replayed beside them ("fixed prior": the prior not centred
 # on the draft's confidence; "no prior, ...": the rule the pacer had before any prior, less the 3
@@ -183,6 +186,47 @@ def replay_all(
     return out
 
 
+def by_repeat_length(traces: list[dict]) -> dict:
+    """Per length n of the repeat a position's lookup guess follows (0: none): positions, how often
+    the first guessed token is the target's, and how often the draft's greedy token is."""
+    out = {}
+    for n in sorted({n for t in traces for n in t["repeat"]}):
+        cells = [(t["gained"][i] > 0, t["agrees"][i]) for t in traces for i, m in enumerate(t["repeat"]) if m == n]
+        out[str(n)] = {
+            "positions": len(cells),
+            "guess_right": round(statistics.fmean(g for g, _ in cells), 3),
+            "draft_right": round(statistics.fmean(d for _, d in cells), 3),
+        }
+    return out
+
+
+@torch.inference_mode()
+def row_costs(target, repeats: int, context: int = 200, widths: int = 6) -> dict:
+    """Seconds of a row-exact verification forward of q = 1..``widths`` tokens of one sequence (what a
+    round with q - 1 proposals costs) over the plain one-row step, on a ``context``-token cache: the
+    widths and the plain step interleaved, 10 * ``repeats`` times each, medians."""
+    streams = {}
+    for exact in (False, True):
+        kind = default_cache_kind(target.device)
+        stream = make_stream(target, 1, context + widths + 1, kind, role="target", compiled=False, row_exact=exact)
+        prompt = torch.arange(1, context + 1, device=target.device)[None]
+        stream.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), logits_to_keep=1)
+        streams[exact] = stream
+    cases = [(False, 1)] + [(True, q) for q in range(1, widths + 1)]
+    spent = {case: [] for case in cases}
+    keep = torch.tensor([context], device=target.device)
+    with decoding_threads(target):
+        for _ in range(10 * repeats):
+            for exact, q in cases:
+                tokens = torch.ones(1, q, dtype=torch.long, device=target.device)
+                start = time.perf_counter()
+                streams[exact].forward(tokens, torch.ones_like(tokens, dtype=torch.bool))
+                spent[(exact, q)].append(time.perf_counter() - start)
+                streams[exact].rollback(keep)
+    plain = statistics.median(spent[(False, 1)])
+    return {str(q): round(statistics.median(spent[(True, q)]) / plain, 3) for _, q in cases[1:]}
+
+
 class NeverDrafts(Pacer):
     """A pacer that pauses every sequence in every round: the decoder then runs the target's own
     steps through its round loop, verifying lookup guesses only, so its time beside the target alone
@@ -274,6 +318,11 @@ def main() -> None:
         "--guess-tokens", type=int, default=DecodeOptions.guess_tokens, help="lookup guesses a round verifies, at most"
     )
     p.add_argument(
+        "--row-costs",
+        action="store_true",
+        help="also time the row-exact verification of 1-6 tokens against the plain one-row step (interleaved)",
+    )
+    p.add_argument(
         "--guess-variants",
         type=lambda text: [int(n) for n in text.split(",") if n],
         default=[1, 2],
@@ -327,6 +376,8 @@ def main() -> None:
     print("the draft's mean probability of its token:", sure)
     print("lookup guess agreement per position:", guessed)
     print(f"lookup guess tokens kept per position (at most {args.guess_tokens}):", gain)
+    by_repeat = by_repeat_length(traces["all"])
+    print("by the length of the repeat the guess follows (first guess right, the draft right):", by_repeat)
 
     # a round without drafts costs what the decoder's paused rounds cost: a row-exact step, v
     pause = args.v if args.exact_pauses else 1.0
@@ -352,6 +403,10 @@ def main() -> None:
         "lookup_guess_tokens_kept": gain,
         "replayed": replayed,
     }
+    result["lookup_by_repeat_length"] = by_repeat
+    if args.row_costs:
+        result["row_costs"] = row_costs(target, args.repeats)
+        print("verification of q tokens, row-exact, per plain one-row step:", result["row_costs"])
     if args.time:
         result["timed"] = {"exact_pauses": args.exact_pauses, **timed(target, draft, prompts, categories, eos, args)}
         print("timed:", result["timed"])
