@@ -206,6 +206,8 @@ def _published_settings(args) -> None:
 
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
     """The decoding settings the arguments ask for, checked together."""
+    if args.guess_tokens < 1:
+        raise DraftsmithError(f"--guess-tokens must be >= 1, got {args.guess_tokens} (no guesses: --no-guesses)")
     options = DecodeOptions(
         gamma=args.gamma,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
