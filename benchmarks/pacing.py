@@ -74,7 +74,7 @@ VARIANTS = {
     "confidence 12": PaceSettings(confidence=12.0),
     "confidence 3, probe 8": PaceSettings(confidence=3.0, probe_every=8),
     "margin 1.2": PaceSettings(margin=1.2),
-    "margin 1.5": PaceSettings(margin=1.5),
+    "margin 1.0": PaceSettings(margin=1.0),
     "guess misses 0.5": PaceSettings(guess_misses=0.5),
     "guess misses 2": PaceSettings(guess_misses=2.0),
     "guess misses 4": PaceSettings(guess_misses=4.0),
@@ -254,14 +254,14 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
     paced = {"pace": True, "exact_pauses": args.exact_pauses}
     runs = {
         "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
-        "paced": DecodeOptions(gamma=args.gamma, guess_tokens=args.guess_tokens, **paced),
+        "paced": DecodeOptions(gamma=args.gamma, guesses=True, guess_tokens=args.guess_tokens, **paced),
         **{
-            f"paced, {n} guess tokens": DecodeOptions(gamma=args.gamma, guess_tokens=n, **paced)
+            f"paced, {n} guess tokens": DecodeOptions(gamma=args.gamma, guesses=True, guess_tokens=n, **paced)
             for n in args.guess_variants
         },
         "paced, no guesses": DecodeOptions(gamma=args.gamma, guesses=False, **paced),
         # with the NeverDrafts pacer: guesses only
-        "never drafting": DecodeOptions(gamma=args.gamma, guess_tokens=args.guess_tokens, **paced),
+        "never drafting": DecodeOptions(gamma=args.gamma, guesses=True, guess_tokens=args.guess_tokens, **paced),
     }
     order = ["target", *runs]
     for options in runs.values():  # warm-up, not timed: a process's first decoding calls run slow

@@ -41,7 +41,7 @@ from draftsmith.specdec.lookup import STRONG_NGRAM, lookup_continuation, with_gu
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.sampling import SamplingParams, choose_token
-from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad
+from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad, needs_row_padding
 from draftsmith.specdec.tree_drafting import accept_tree, kept_rows
 from draftsmith.specdec.verify import TargetVerifier, Verifier, accept, verification_inputs
 
@@ -252,7 +252,7 @@ def speculative_generate(
 
         live = list(range(batch))  # the sequence in each row of the models' batches
         pacer = Pacer(options.gamma, batch, options.pace_settings) if options.pace and options.tree is None else None
-        progress = Progress(out, stats, clock, generator, device, pacer)
+        progress = Progress(out, stats, clock, generator, device, pacer, verifies_guesses(target, drafter, options))
         while live := _drop_finished(out, live, [verifier, drafter], device):
             if options.tree is not None:  # the same four steps over a token tree (tree_drafting)
                 _tree_round(progress, verifier, drafter, options)
@@ -274,6 +274,15 @@ class Progress:
     generator: torch.Generator | None
     device: torch.device
     pacer: Pacer | None = None
+    guessing: bool = False  # rounds verify lookup guesses (``takes_guesses``)
+
+
+def verifies_guesses(target: PreTrainedModel, drafter: Drafter, options: DecodeOptions) -> bool:
+    """Whether paced rounds verify lookup guesses (``lookup``): ``options.guesses``, by default where
+    the target's one-token step already runs as two rows (16-bit dtypes), with row-exact pauses,
+    for a drafter that takes them."""
+    wanted = needs_row_padding(target) if options.guesses is None else options.guesses
+    return wanted and options.pace and options.exact_pauses and getattr(drafter, "takes_guesses", False)
 
 
 def _chain_round(
@@ -287,9 +296,8 @@ def _chain_round(
     #    tokens repeat earlier text (it verifies their continuation instead: ``lookup``).
     drafts = progress.pacer.drafts(live) if progress.pacer is not None else [True] * len(live)
     stats.paused += drafts.count(False)
-    guessing = options.guesses and options.exact_pauses and getattr(drafter, "takes_guesses", False)
     found = None
-    if progress.pacer is not None and guessing:
+    if progress.pacer is not None and progress.guessing:
         found = [_continuation(out, seq, options.guess_tokens) for seq in live]
         looked_up = [go and f is not None and f[1] >= STRONG_NGRAM for go, f in zip(drafts, found, strict=True)]
         stats.lookup_rounds += looked_up.count(True)
@@ -395,7 +403,7 @@ def decoding_capacity(prompts: list[list[int]], max_new_tokens: int, options: De
     if options.tree is not None:
         # A round adds x_n and the tree's nodes to the caches before compacting them.
         return max(len(p) for p in prompts) + max_new_tokens + options.tree.max_nodes + 2
-    guessed = options.guess_tokens if options.pace and options.guesses else 0
+    guessed = options.guess_tokens if options.pace and options.guesses is not False else 0
     widest = max([options.gamma + 1 + guessed, *options.verify_widths.values()])
     # A round adds at most `widest` slots; with batch > 1 a ragged round also leaves holes behind.
     extra = max_new_tokens + widest + 1 if len(prompts) == 1 else (max_new_tokens + 1) * widest + 1

@@ -48,7 +48,11 @@ class DecodeOptions:
         tokens that followed the sequence's latest n-gram earlier in its prompt or answer), for
         drafters that take them (``takes_guesses``): a paused round in the row it pads anyway and
         after it, a drafting round after the draft's chain. Where they are the target's tokens the
-        round emits them too. Exact either way (plain one-row pauses take none).
+        round emits them too. Exact either way (plain one-row pauses take none). None (the default):
+        where the target decodes in a 16-bit dtype, whose one-token step already runs as two rows
+        (``stream.needs_row_padding``) and whose verification costs little more per row; not in
+        float32, where a CPU verifies 2-3 tokens in 1.7-2.1 one-token steps (an AVX-512 EPYC), so
+        a copied token costs more than it brings.
     guess_tokens: the most lookup tokens a round verifies with ``guesses`` (each costs a row of the
         verification).
     compile: run the decoding steps of both models as compiled graphs over static caches
@@ -67,7 +71,7 @@ class DecodeOptions:
     pace: bool = False
     pace_settings: PaceSettings = PaceSettings()
     exact_pauses: bool = True
-    guesses: bool = True
+    guesses: bool | None = None
     guess_tokens: int = 3
     compile: bool | None = None
 

@@ -63,9 +63,11 @@ class PaceSettings:
     draft that never agrees is paused once its rejections pull the estimate below the break-even
     acceptance (three rounds at c = 0.13, gamma 1). margin: before a plain step has been timed, how
     clearly drafting must pay (with the step taken as costly as a verification) to go on without
-    timing one. A row-exact pause is a verification-shaped step, so 1 compares like with like; the
-    replay over row-exact pauses kept a translation drafting with it that 1.5 paused (1.02 against
-    0.93 of the target's speed) and left the other categories within 0.01. backoff: each probe in
+    timing one. In float32 on a CPU a verification of two tokens costs 1.3-1.4 one-row steps (an
+    AVX-512 EPYC), so at 1 a draft of acceptance 0.3 looked as if it paid, no step was ever timed
+    and nothing paused (the quickstart's draft: 0.80 of the target's speed; 0.96 at 1.5, which has
+    a sequence time one plain step unless its draft clearly pays); in bfloat16, where the step and
+    a verification cost about the same, 1.5 measured as 1 did (1.15 and 1.16). backoff: each probe in
     a row after which drafting still does not pay multiplies the paused rounds before the next by
     this (1: every ``probe_every`` rounds), up to ``probe_max``.
     confidence: once a sequence has drafted and its drafter reports how sure it was (the draft's
@@ -88,7 +90,7 @@ class PaceSettings:
     decay: float = 0.97
     prior: tuple[float, float] = (0.5, 1.0)
     confidence: float = 6.0
-    margin: float = 1.0
+    margin: float = 1.5
     backoff: float = 2.0
     probe_max: int = 32
     guess_misses: float = 1.0

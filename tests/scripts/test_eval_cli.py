@@ -91,7 +91,7 @@ def test_greedy_report(pair, prompts, tmp_path, capsys):
 
 def test_rounds_verify_lookup_guesses_unless_asked_not_to(pair, prompts, tmp_path):
     # an untrained draft is paused; rounds verify lookup guesses, counted apart from alpha
-    code, out = run_eval(pair, prompts, tmp_path, "--gamma", "2", "--max-new-tokens", "32")
+    code, out = run_eval(pair, prompts, tmp_path, "--gamma", "2", "--max-new-tokens", "32", "--guesses")
     assert code == 0
     report = json.loads(out.read_text())
     assert report["greedy_match"] == 1.0 and report["paused_share"] > 0
@@ -100,6 +100,12 @@ def test_rounds_verify_lookup_guesses_unless_asked_not_to(pair, prompts, tmp_pat
     assert code == 0
     report = json.loads(out.read_text())
     assert report["greedy_match"] == 1.0 and report["guesses"] == 0
+    # by default: on in bfloat16 (a one-token step runs two rows anyway), off in float32
+    for dtype, on in (("bfloat16", True), ("float32", False)):
+        code, out = run_eval(pair, prompts, tmp_path, "--gamma", "2", "--max-new-tokens", "32", "--dtype", dtype)
+        assert code == 0
+        report = json.loads(out.read_text())
+        assert report["greedy_match"] == 1.0 and (report["guesses"] > 0) == on, dtype
 
 
 def test_sampling_batched_all_turns(pair, prompts, tmp_path):

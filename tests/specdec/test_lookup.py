@@ -8,7 +8,8 @@ import torch
 
 from draftsmith.distill.drafts import KINDS
 from draftsmith.distill.drafts.kind import DraftSettings
-from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.decoder import speculative_generate, target_generate, verifies_guesses
+from draftsmith.specdec.drafters import LMDrafter
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.lookup import lookup_continuation, lookup_guess, with_guesses
 from draftsmith.specdec.options import DecodeOptions
@@ -105,13 +106,15 @@ def test_drafting_rounds_verify_guesses_after_the_chain_for_every_kind_that_take
     monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: True)
     prompt = [[0, 5, 9, 4, 5, 9, 4, 5, 9, 4]]
     expected = target_generate(target, prompt, 24)[0]
-    options = {"eagle3": {"aux_layers": [1, 2, 3]}, "parallel": {"mask_token_id": 31}, "dflash": {"mask_token_id": 31}}
+    masked = {"mask_token_id": 31}
+    kind_options = {"eagle3": {"aux_layers": [1, 2, 3]}, "parallel": masked, "dflash": masked}
     for name, kind in KINDS.items():
         torch.manual_seed(0)
-        settings = DraftSettings(kind=name, layers="1", options=options.get(name, {}))
+        settings = DraftSettings(kind=name, layers="1", options=kind_options.get(name, {}))
         draft = kind.build(settings, target, tiny_tokenizer(32), target.device).eval()
         for gamma in (1, 3):
-            out, stats = speculative_generate(target, draft, prompt, 24, DecodeOptions(gamma=gamma, pace=True))
+            options = DecodeOptions(gamma=gamma, pace=True, guesses=True)
+            out, stats = speculative_generate(target, draft, prompt, 24, options)
             assert out == expected, (name, gamma)
             assert stats.paused == 0
             assert stats.round_tokens == stats.seq_rounds + stats.accepted + stats.guesses_accepted
@@ -128,7 +131,7 @@ def test_no_guess_without_room_for_two_tokens_or_for_a_drafter_that_reuses_its_s
     target = tiny_llama(vocab=32, layers=4, sharpness=8.0)
     monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: False)
     prompt = [[0, 5, 9, 4, 5, 9, 4, 5]]
-    options = DecodeOptions(gamma=2, pace=True)
+    options = DecodeOptions(gamma=2, pace=True, guesses=True)
     # two new tokens: the prompt's forward gives the first, the one round has room for one more only
     out, stats = speculative_generate(target, noisy_copy(target, 3.0), prompt, 2, options)
     assert out == target_generate(target, prompt, 2)[0] and stats.rounds == 1 and stats.guesses == 0
@@ -138,3 +141,20 @@ def test_no_guess_without_room_for_two_tokens_or_for_a_drafter_that_reuses_its_s
     early_exit = KINDS["early_exit"].build(DraftSettings(kind="early_exit", layers="1"), target, None, target.device)
     out, stats = speculative_generate(target, early_exit.eval(), prompt, 12, options)
     assert out == target_generate(target, prompt, 12)[0] and stats.paused > 0 and stats.guesses == 0
+
+
+def test_guesses_are_on_by_default_where_a_one_token_step_already_runs_two_rows():
+    # bfloat16 pads a one-token step to two rows, so a guess rides in a row that is paid for; in float32
+    # a CPU's two-row verification can cost far more than a step, so the default leaves guesses out
+    target = tiny_llama(vocab=32, layers=4, sharpness=8.0)
+    drafter = LMDrafter(noisy_copy(target, 3.0), 1, 64, "slot")
+    paced = DecodeOptions(gamma=1, pace=True)
+    assert not verifies_guesses(target, drafter, paced)
+    assert verifies_guesses(target, drafter, DecodeOptions(gamma=1, pace=True, guesses=True))
+    assert verifies_guesses(tiny_llama(vocab=32, layers=4).to(torch.bfloat16), drafter, paced)
+    assert not verifies_guesses(target, drafter, DecodeOptions(gamma=1, pace=True, guesses=False))
+    assert not verifies_guesses(target, drafter, DecodeOptions(gamma=1, guesses=True))  # unpaced: every round drafts
+    assert not verifies_guesses(target, drafter, DecodeOptions(gamma=1, pace=True, guesses=True, exact_pauses=False))
+    prompt = [[0, 5, 9, 4, 5, 9, 4, 5, 9, 4]]
+    out, stats = speculative_generate(target, noisy_copy(target, 3.0), prompt, 16, paced)
+    assert out == target_generate(target, prompt, 16)[0] and stats.guesses == 0 and stats.lookup_rounds == 0

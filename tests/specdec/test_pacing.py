@@ -63,13 +63,13 @@ def test_drafting_pays_when_expected_tokens_outrun_its_cost():
     # counts (1, 3): alpha 1.5 / 5.5 gives 1.37 tokens for the same 1.6 steps: a plain step is faster.
     assert not timed_pacer(4, 0.4, 1.2, 1.0, (1.0, 3.0)).drafting_pays(0)
     # Before a plain step is timed, the step is taken as costly as a verification (1.2): alpha 3/7
-    # pays 1.72 * 1.2 = 2.07 against 1.6 and drafts on (the default margin, 1); with a margin of 1.5
-    # (1.5 * 1.6 = 2.4) the next round is a plain one that times the step, and alpha 4.5 / 5.5
+    # pays 1.72 * 1.2 = 2.07 against 1.6, which a margin of 1 lets draft on; with the default margin,
+    # 1.5 (1.5 * 1.6 = 2.4), the next round is a plain one that times the step, and alpha 4.5 / 5.5
     # (3.49 * 1.2 = 4.2) drafts on without it. Counts (1, 5): 1.5 / 7.5 gives 1.25 tokens, 1.5 < 1.6.
-    assert timed_pacer(4, 0.4, 1.2, None, (1.0, 1.0)).drafting_pays(0)
-    assert not timed_pacer(4, 0.4, 1.2, None, (1.0, 5.0)).drafting_pays(0)
-    assert not timed_pacer(4, 0.4, 1.2, None, (1.0, 1.0), margin=1.5).drafting_pays(0)
-    assert timed_pacer(4, 0.4, 1.2, None, (4.0, 0.0), margin=1.5).drafting_pays(0)
+    assert timed_pacer(4, 0.4, 1.2, None, (1.0, 1.0), margin=1.0).drafting_pays(0)
+    assert not timed_pacer(4, 0.4, 1.2, None, (1.0, 5.0), margin=1.0).drafting_pays(0)
+    assert not timed_pacer(4, 0.4, 1.2, None, (1.0, 1.0)).drafting_pays(0)
+    assert timed_pacer(4, 0.4, 1.2, None, (4.0, 0.0)).drafting_pays(0)
     # Before any round is timed every sequence drafts; its estimate is the prior's.
     fresh = Pacer(4, batch_size=1)
     assert fresh.drafting_pays(0) and fresh.alpha(0) == pytest.approx(1 / 3)
@@ -286,7 +286,7 @@ def test_paused_sampling_is_distributed_as_the_target(target, monkeypatch):
     coin = random.Random(0)
     monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: coin.random() < 0.5)
     params = SamplingParams(temperature=1.0)
-    first, second, stats = sample_spec(target, noisy_copy(target, 0.8), params, gamma=3, pace=True)
+    first, second, stats = sample_spec(target, noisy_copy(target, 0.8), params, gamma=3, pace=True, guesses=True)
     assert stats.paused > 1000 and stats.proposed > 1000
     assert stats.guesses > 500  # rounds verify lookup guesses too, q one-hot beside rows drawn from q
     assert_fits(target, params, first, second)
