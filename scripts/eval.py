@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "their continuation instead of a draft; a paused round in the row a row-exact pause pads anyway and "
         "after it; a drafting round after the draft's chain; the pacer weighs what they gain against the draft "
         "(default: on in bfloat16 and float16, whose one-token step already runs two rows; off in float32, where "
-        "a CPU verifies 2-3 tokens in up to twice a step's time; exact either way)",
+        "a CPU verifies 2 tokens in 1.3-1.4 steps' time; exact either way)",
     )
     p.add_argument(
         "--guess-tokens",

@@ -51,8 +51,9 @@ class DecodeOptions:
         round emits them too. Exact either way (plain one-row pauses take none). None (the default):
         where the target decodes in a 16-bit dtype, whose one-token step already runs as two rows
         (``stream.needs_row_padding``) and whose verification costs little more per row; not in
-        float32, where a CPU verifies 2-3 tokens in 1.7-2.1 one-token steps (an AVX-512 EPYC), so
-        a copied token costs more than it brings.
+        float32, where a CPU verifies 2 tokens in 1.3-1.4 one-row steps (an AVX-512 EPYC), so a
+        paused round that verifies a copy costs more than it brings (the quickstart's draft: 0.92
+        of the target's speed with guesses, 0.96 without).
     guess_tokens: the most lookup tokens a round verifies with ``guesses`` (each costs a row of the
         verification).
     compile: run the decoding steps of both models as compiled graphs over static caches
