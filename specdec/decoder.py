@@ -297,7 +297,7 @@ def _chain_round(
     drafts = progress.pacer.drafts(live) if progress.pacer is not None else [True] * len(live)
     stats.paused += drafts.count(False)
     found = None
-    if progress.pacer is not None and progress.guessing:
+    if progress.guessing:  # paced chains only (``verifies_guesses``): the pacer weighs the guesses
         found = [_continuation(out, seq, options.guess_tokens) for seq in live]
         looked_up = [go and f is not None and f[1] >= STRONG_NGRAM for go, f in zip(drafts, found, strict=True)]
         stats.lookup_rounds += looked_up.count(True)

@@ -50,9 +50,9 @@ __all__ = [
 
 class Drafter(Protocol):
     feature_layers: tuple[int, ...]  # target layers whose hidden states ``observe`` receives; () for none
-    # Optional ``takes_guesses = True``: a round this drafter sat out (paused) may verify a lookup guess
-    # (``lookup``), so committed tokens it never proposed may follow x_n; a drafter whose verifier
-    # reuses its own states for the verified tokens (``Proposal.reusable``) leaves it out.
+    # Optional ``takes_guesses = True``: rounds may verify lookup guesses (``lookup``: in a round it sat
+    # out, or after its chain), so committed tokens it never proposed may follow x_n or its drafts; a
+    # drafter whose verifier reuses its own states for the verified tokens (``Proposal.reusable``) leaves it out.
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None: ...
 
@@ -118,7 +118,7 @@ class LMDrafter:
     """
 
     feature_layers: tuple[int, ...] = ()  # it reads nothing of the target's
-    takes_guesses = True  # a paused round may verify a lookup guess: it reads committed tokens as they come
+    takes_guesses = True  # rounds may verify lookup guesses: it reads committed tokens as they come
 
     def __init__(self, model: torch.nn.Module, batch_size: int, capacity: int, cache_kind: str, compiled: bool = False):
         self.stream = make_stream(model, batch_size, capacity, cache_kind, role="draft", compiled=compiled)

@@ -270,7 +270,7 @@ class DFlashDrafter:
     rows the target has computed: one less than the committed tokens (the last, x_n, is the block's
     anchor). ``lengths`` (B,) counts them; row p sits at position p."""
 
-    takes_guesses = True  # a paused round may verify a lookup guess: it takes the committed rows as they come
+    takes_guesses = True  # rounds may verify lookup guesses: it takes the committed rows as they come
 
     def __init__(self, draft: DFlashDraft, batch_size: int, capacity: int):
         self.draft = draft

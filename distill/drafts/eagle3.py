@@ -374,7 +374,7 @@ class EagleDrafter:
     ``pending_valid[b].sum()`` committed tokens of sequence b, since the cache's rows plus the pending
     ones always number one less than the committed tokens."""
 
-    takes_guesses = True  # a paused round may verify a lookup guess: it takes the committed rows as they come
+    takes_guesses = True  # rounds may verify lookup guesses: it takes the committed rows as they come
 
     def __init__(self, head: EagleHead, batch_size: int, capacity: int):
         self.head = head

@@ -244,7 +244,7 @@ class ParallelDrafter:
     Its cache holds the committed tokens it has read, never a mask: each round reads the unread
     committed tokens and K-1 masks in one forward, then crops the masks again (``draft_rows``)."""
 
-    takes_guesses = True  # a paused round may verify a lookup guess: it takes the committed rows as they come
+    takes_guesses = True  # rounds may verify lookup guesses: it takes the committed rows as they come
 
     feature_layers: tuple[int, ...] = ()  # it reads nothing of the target's
 
