@@ -27,6 +27,7 @@ from draftsmith.specdec.loading import (
     resolve_device,
     resolve_dtype,
 )
+from draftsmith.specdec.matmul import use_column_products, uses_column_products
 from draftsmith.specdec.measure import machine
 from draftsmith.specdec.measure.hf_compare import HFComparison
 from draftsmith.specdec.measure.pair import evaluate_pair
@@ -140,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cache", choices=CACHE_KINDS, default=None, help="KV cache kind (default: slot on CPU, static on CUDA)"
+    )
+    p.add_argument(
+        "--matmul",
+        choices=("auto", "linear", "columns"),
+        default="auto",
+        help="how both decoders multiply a forward's few rows by float32 weights on a CPU: torch's linear, or "
+        "as weight @ rows^T, which reads the weights about twice as fast on CPUs whose matrix-vector kernel is "
+        "slow (default: auto, timed on the models' own weights when they load; the report names the choice)",
     )
     p.add_argument(
         "--compile",
@@ -304,15 +313,27 @@ def main(argv: list[str] | None = None) -> int:
     compare_hf = _stock_pair(args, device, dtype) if args.compare_hf else None
     if args.draft_vocab:
         draft = _cut_head(args, draft, kind, settings.eos_ids)
+    if args.matmul != "auto":
+        for model in (target, draft):
+            use_column_products(model, args.matmul == "columns")
     report = evaluate_pair(target, draft, tokenizer, settings, compare_hf=compare_hf)
     report = dataclasses.replace(report, kind_figures=kind.decoding_report(target, draft, options))
-    return finish(args, report, device, dtype, kind)
+    matmul = "columns" if uses_column_products(target) else "linear"
+    return finish(args, report, device, dtype, kind, matmul)
 
 
 def finish(
-    args: argparse.Namespace, report: PairReport, device: torch.device, dtype: torch.dtype, kind: DraftKind
+    args: argparse.Namespace,
+    report: PairReport,
+    device: torch.device,
+    dtype: torch.dtype,
+    kind: DraftKind,
+    matmul: str,
 ) -> int:
-    """Print the report (and what the kind added), write it as JSON when asked; the exit status."""
+    """Print the report (and what the kind added), write it as JSON when asked; the exit status.
+
+    matmul: the form the decoders' few-row products took (``specdec.matmul``), printed and recorded.
+    """
     report = dataclasses.replace(
         report,
         source={
@@ -321,12 +342,14 @@ def finish(
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "draft_vocab": args.draft_vocab,
+            "matmul": matmul,
             "gamma_source": args.gamma_source,
             "tree_source": args.tree_source,
             "prompts_file": str(args.prompts),
         },
     )
     print(format_table(report))
+    print(f"{str(dtype).removeprefix('torch.')} on {device}, few-row products: {matmul} (--matmul)")
     for line in kind.report_lines(report):
         print(line)
     if args.json_out:

@@ -20,7 +20,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -83,7 +82,17 @@ class SubsetHeadDraft(nn.Module):
         self.config = draft.config
         self.vocab_size = vocab
         self.register_buffer("ids", torch.tensor(keep, device=head.weight.device), persistent=False)
-        self.weight = nn.Parameter(head.weight.detach()[self.ids], requires_grad=False)  # a copy
+        # A copy of the kept rows, as a layer of its own so that it decodes in the form its model's
+        # other layers take (``matmul.use_column_products``).
+        self.head = nn.Linear(
+            head.weight.shape[1], len(keep), bias=False, device=head.weight.device, dtype=head.weight.dtype
+        )
+        self.head.weight = nn.Parameter(head.weight.detach()[self.ids], requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """(kept tokens, H) the cut head's rows."""
+        return self.head.weight
 
     @property
     def device(self) -> torch.device:
@@ -98,7 +107,7 @@ class SubsetHeadDraft(nn.Module):
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         batch, rows, width = hidden.shape
-        scores = F.linear(hidden.reshape(batch * rows, width), self.weight)
+        scores = self.head(hidden.reshape(batch * rows, width))
         logits = scores.new_full((batch * rows, self.vocab_size), float("-inf"))
         logits.index_copy_(1, self.ids, scores)
         return CausalLMOutputWithPast(logits=logits.view(batch, rows, self.vocab_size))

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from draftsmith.specdec.attention import EXACT, MAX_ROWS, use_exact_attention
 from draftsmith.specdec.cache import SlotTracker, make_cache, select_batch
 from draftsmith.specdec.loading import cpu_has_native_bfloat16
+from draftsmith.specdec.matmul import use_column_products
 
 
 @dataclass
@@ -98,8 +99,9 @@ class ModelStream:
     """A model plus its cache and slot bookkeeping for one batch.
 
     Every stream's model gets row-exact attention (``specdec.attention``; also the fastest
-    single-query path). ``row_exact``: the model's logits must not depend on how many tokens a
-    forward carries (the target's), so one-token forwards of one sequence run as two rows.
+    single-query path) and few-row products in the faster form (``specdec.matmul``). ``row_exact``:
+    the model's logits must not depend on how many tokens a forward carries (the target's), so
+    one-token forwards of one sequence run as two rows.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class ModelStream:
         self.pad_single = row_exact and batch_size == 1 and needs_row_padding(model)
         self._pad_valid = torch.tensor([[True, False]], device=self.device)
         use_exact_attention(model)
+        use_column_products(model)  # timed once per model: CPU float32 only
         standard_strides_into_head(model)
 
     @property

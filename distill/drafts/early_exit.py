@@ -36,6 +36,7 @@ from draftsmith.specdec.compiled import resolve_compile
 from draftsmith.specdec.decoder import standalone_pair
 from draftsmith.specdec.drafters import Proposal, Verification, draft_chain
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.matmul import use_column_products
 from draftsmith.specdec.measure.report import PairReport
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.self_spec import UpperLayersVerifier, crop_to, run_layers, two_rows
@@ -292,6 +293,7 @@ def shared_layers_pair(
         layers = target.config.num_hidden_layers
         raise DraftsmithError(f"an early-exit draft shares 1..{layers - 1} of the target's layers, not {draft.k}")
     use_exact_attention(target)
+    use_column_products(draft, use_column_products(target))  # the layers they share take one form
     standard_strides_into_head(target)
     drafter = SharedLayersDrafter(target, draft, capacity)
     return UpperLayersVerifier(target, draft.k, drafter.cache, options.verify_widths), drafter

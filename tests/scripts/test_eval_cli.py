@@ -108,6 +108,16 @@ def test_rounds_verify_lookup_guesses_unless_asked_not_to(pair, prompts, tmp_pat
         assert report["greedy_match"] == 1.0 and (report["guesses"] > 0) == on, dtype
 
 
+def test_matmul_form_is_chosen_recorded_and_keeps_greedy_output(pair, prompts, tmp_path, capsys):
+    # a test-sized pair fits the CPU's caches: auto keeps torch's linear without timing
+    for flag, form in (("auto", "linear"), ("columns", "columns"), ("linear", "linear")):
+        code, out = run_eval(pair, prompts, tmp_path, "--gamma", "2", "--dtype", "float32", "--matmul", flag)
+        assert code == 0
+        report = json.loads(out.read_text())
+        assert report["matmul"] == form and report["greedy_match"] == 1.0, flag
+        assert f"float32 on cpu, few-row products: {form} (--matmul)" in capsys.readouterr().out
+
+
 def test_sampling_batched_all_turns(pair, prompts, tmp_path):
     sampled = ["--temperature", "0.8", "--top-p", "0.9", "--batch-size", "2", "--repeats", "1"]
     reports = []
