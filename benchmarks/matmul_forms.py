@@ -7,8 +7,9 @@ where the column form pays). Measured in one run, interleaved:
 - forwards of 1-4 tokens of the target over a 128-token cache, each form, medians of ``--reps``:
   milliseconds, and each width's cost in one-token steps of its own form (the v of a verification);
 - per prompt and repeat, back to back: the target-only decoder and the speculative decoder (gamma,
-  pacing, guesses as ``draftsmith eval`` sets them) in each form. Ratios of tokens/s, medians over
-  repeats; greedy output checked against the target-only decoder of the same form and across forms.
+  pacing and guesses as ``draftsmith eval`` sets them; ``--no-pace`` drafts every round) in each
+  form. Ratios of tokens/s, medians over repeats; greedy output checked against the target-only
+  decoder of the same form and across forms.
 
 Run: .venv/bin/python benchmarks/matmul_forms.py --draft quickstart/draft [--repeats 3] [--dtype float32]
 To see what an AVX2-only CPU's kernels do on a newer one, run it under ``ATEN_CPU_CAPABILITY=avx2
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=1)
+    parser.add_argument("--pace", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--reps", type=int, default=15, help="forwards per width and form for the step costs")
     parser.add_argument("--name", default="matmul_forms", help="results/<name>.json")
     args = parser.parse_args()
@@ -81,7 +83,7 @@ def main() -> None:
     pairs = {form: load_pair(Path(args.draft), dtype, form == "columns") for form in FORMS}
     tokenizer, eos = pairs["linear"][2], pairs["linear"][3]
     prompts = prompt_ids(tokenizer, args.prompts)
-    n, options = args.max_new_tokens, DecodeOptions(gamma=args.gamma)
+    n, options = args.max_new_tokens, DecodeOptions(gamma=args.gamma, pace=args.pace)
 
     widths = range(1, 5)
     cost = forward_costs({form: pairs[form][0] for form in FORMS}, widths, args.reps)
@@ -135,6 +137,7 @@ def main() -> None:
         draft=args.draft,
         dtype=str(dtype).removeprefix("torch."),
         gamma=args.gamma,
+        pace=args.pace,
         max_new_tokens=n,
         prompts=len(prompts),
         repeats=args.repeats,

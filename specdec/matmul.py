@@ -2,11 +2,12 @@
 
 A decoding forward multiplies 1 to a few dozen rows by every weight matrix, so its cost is reading
 the weights. On CPUs torch computes ``linear(x, W)`` for one float32 row as a matrix-vector product
-and for a few rows as ``x @ W^T``; on the 2-core machines this project measures on, both read the
+and for a few rows as ``x @ W^T``; on the 2-core AMD EPYC this was measured on, both read the
 weights at about half the memory bandwidth that the same product written ``W @ x^T`` reaches (MKL's
-GEMM with the weight as its left operand and two or more right-hand columns). A one-token float32
-step of the default target took 40 ms one way and 24 ms the other, and a two-token verification
-forward cost 1.7 steps one way and 1.4 the other (``benchmarks/matmul_forms.py``).
+GEMM with the weight as its left operand and two or more right-hand columns). There a one-token
+float32 step of the default target took 38.7 ms one way and 22.6 ms the other, and a
+two-token verification forward cost 1.64 of those steps one way and 1.10 the other
+(``benchmarks/matmul_forms.py``).
 
 ``use_column_products`` switches a model's ``nn.Linear`` layers to that form (``ColumnLinear``: the
 same module, parameters and state dict) where a timing on the model's own weights says it pays;
