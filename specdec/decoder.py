@@ -38,6 +38,7 @@ from draftsmith.specdec.compiled import make_stream, resolve_compile
 from draftsmith.specdec.drafters import Drafter, LMDrafter, PairedDraft, Proposal
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.lookup import STRONG_NGRAM, lookup_continuation, with_guesses
+from draftsmith.specdec.matmul import uses_column_products
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.sampling import SamplingParams, choose_token
@@ -279,9 +280,11 @@ class Progress:
 
 def verifies_guesses(target: PreTrainedModel, drafter: Drafter, options: DecodeOptions) -> bool:
     """Whether paced rounds verify lookup guesses (``lookup``): ``options.guesses``, by default where
-    the target's one-token step already runs as two rows (16-bit dtypes), with row-exact pauses,
-    for a drafter that takes them."""
-    wanted = needs_row_padding(target) if options.guesses is None else options.guesses
+    the target's one-token step already multiplies two rows (16-bit dtypes, ``stream``) or two
+    columns (float32 in the column form, ``matmul``), with row-exact pauses, for a drafter that
+    takes them."""
+    default = needs_row_padding(target) or uses_column_products(target)
+    wanted = default if options.guesses is None else options.guesses
     return wanted and options.pace and options.exact_pauses and getattr(drafter, "takes_guesses", False)
 
 

@@ -49,11 +49,12 @@ class DecodeOptions:
         drafters that take them (``takes_guesses``): a paused round in the row it pads anyway and
         after it, a drafting round after the draft's chain. Where they are the target's tokens the
         round emits them too. Exact either way (plain one-row pauses take none). None (the default):
-        where the target decodes in a 16-bit dtype, whose one-token step already runs as two rows
-        (``stream.needs_row_padding``) and whose verification costs little more per row; not in
-        float32, where a CPU verifies 2 tokens in 1.3-1.4 one-row steps (an AVX-512 EPYC), so a
-        paused round that verifies a copy costs more than it brings (the quickstart's draft: 0.92
-        of the target's speed with guesses, 0.96 without).
+        where the target's one-token step already multiplies two rows or columns, so a few more
+        cost little: 16-bit dtypes (``stream.needs_row_padding``) and float32 in the column form
+        (``matmul``; there the quickstart's draft measured 1.14x of the target's speed with guesses,
+        1.06x without, on an AVX-512 EPYC). Not with torch's float32 ``linear``, where a CPU verifies
+        2 tokens in 1.3-1.6 one-token steps and a paused round that verifies a copy costs more than
+        it brings (0.92x with guesses, 0.96x without).
     guess_tokens: the most lookup tokens a round verifies with ``guesses`` (each costs a row of the
         verification).
     compile: run the decoding steps of both models as compiled graphs over static caches

@@ -12,6 +12,7 @@ from draftsmith.specdec.decoder import speculative_generate, target_generate, ve
 from draftsmith.specdec.drafters import LMDrafter
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.lookup import lookup_continuation, lookup_guess, with_guesses
+from draftsmith.specdec.matmul import use_column_products
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.proposal import Proposal
@@ -144,14 +145,19 @@ def test_no_guess_without_room_for_two_tokens_or_for_a_drafter_that_reuses_its_s
 
 
 def test_guesses_are_on_by_default_where_a_one_token_step_already_runs_two_rows():
-    # bfloat16 pads a one-token step to two rows, so a guess rides in a row that is paid for; in float32
-    # a CPU's two-row verification can cost far more than a step, so the default leaves guesses out
+    # bfloat16 pads a one-token step to two rows, and the float32 column form multiplies it as two
+    # columns, so a guess rides where little more is paid; with torch's float32 linear a CPU's two-row
+    # verification can cost far more than a step, so the default leaves guesses out
     target = tiny_llama(vocab=32, layers=4, sharpness=8.0)
     drafter = LMDrafter(noisy_copy(target, 3.0), 1, 64, "slot")
     paced = DecodeOptions(gamma=1, pace=True)
     assert not verifies_guesses(target, drafter, paced)
     assert verifies_guesses(target, drafter, DecodeOptions(gamma=1, pace=True, guesses=True))
     assert verifies_guesses(tiny_llama(vocab=32, layers=4).to(torch.bfloat16), drafter, paced)
+    columns = tiny_llama(vocab=32, layers=4)
+    use_column_products(columns, True)
+    assert verifies_guesses(columns, drafter, paced)
+    assert not verifies_guesses(columns, drafter, DecodeOptions(gamma=1, pace=True, guesses=False))
     assert not verifies_guesses(target, drafter, DecodeOptions(gamma=1, pace=True, guesses=False))
     assert not verifies_guesses(target, drafter, DecodeOptions(gamma=1, guesses=True))  # unpaced: every round drafts
     assert not verifies_guesses(target, drafter, DecodeOptions(gamma=1, pace=True, guesses=True, exact_pauses=False))
