@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +34,42 @@ def timed(fn, *args, **kwargs):
     start = time.perf_counter()
     result = fn(*args, **kwargs)
     return result, time.perf_counter() - start
+
+
+@dataclass
+class Repeat:
+    """One pass of every prompt through every decoder, back to back.
+
+    tokens_per_s: {run: tokens/s over the pass}; outputs: {(run, prompt index): tokens};
+    accepted / proposed: {run: draft tokens over the pass} (0 for a target-only decoder).
+    """
+
+    tokens_per_s: dict[str, float]
+    outputs: dict[tuple[str, int], list[int]]
+    accepted: dict[str, int]
+    proposed: dict[str, int]
+
+    def alpha(self) -> dict[str, float]:
+        return {k: self.accepted[k] / p for k, p in self.proposed.items() if p}
+
+
+def interleaved(runs: dict[str, Callable], prompts: list[list[int]], repeats: int) -> Iterator[Repeat]:
+    """Every ``runs`` decoder (prompt ids -> (outputs, stats)) on each prompt in turn, one warm-up call
+    each first; yields a ``Repeat`` per pass, so that every run of a pass saw the same minutes."""
+    for fn in runs.values():
+        fn(prompts[0])
+    for _ in range(repeats):
+        seconds, tokens = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0)
+        accepted, proposed, outputs = dict.fromkeys(runs, 0), dict.fromkeys(runs, 0), {}
+        for i, ids in enumerate(prompts):
+            for name, fn in runs.items():
+                (out, stats), elapsed = timed(fn, ids)
+                seconds[name] += elapsed
+                tokens[name] += len(out[0])
+                outputs[name, i] = out[0]
+                accepted[name] += stats.accepted
+                proposed[name] += stats.proposed
+        yield Repeat({k: tokens[k] / seconds[k] for k in runs}, outputs, accepted, proposed)
 
 
 def median(xs):

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 import torch
-from common import default_target, median, prompt_ids, save, timed
+from common import default_target, interleaved, median, prompt_ids, save, timed
 
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import default_cache_kind
@@ -101,31 +101,21 @@ def main() -> None:
         runs[f"spec_{form}"] = lambda ids, t=target, d=draft: speculative_generate(
             t, d, [ids], n, options=options, eos_ids=eos
         )
-    for fn in runs.values():  # warm-up
-        fn(prompts[0])
     ratios = {k: [] for k in ("target_columns_vs_linear", "speedup_linear", "speedup_columns", "columns_vs_linear")}
     identical = {"linear": [], "columns": [], "targets_across_forms": []}
-    for rep in range(args.repeats):
-        seconds, tokens = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0)
-        accepted = {k: [0, 0] for k in runs}
-        for ids in prompts:
-            outs = {}
-            for name, fn in runs.items():
-                (out, stats), elapsed = timed(fn, ids)
-                seconds[name] += elapsed
-                tokens[name] += len(out[0])
-                outs[name] = out[0]
-                accepted[name][0] += stats.accepted
-                accepted[name][1] += stats.proposed
+    for rep, done in enumerate(interleaved(runs, prompts, args.repeats)):
+        for i in range(len(prompts)):
             for form in FORMS:
-                identical[form].append(outs[f"spec_{form}"] == outs[f"target_{form}"])
-            identical["targets_across_forms"].append(outs["target_columns"] == outs["target_linear"])
-        tps = {k: tokens[k] / seconds[k] for k in runs}
+                identical[form].append(done.outputs[f"spec_{form}", i] == done.outputs[f"target_{form}", i])
+            identical["targets_across_forms"].append(
+                done.outputs["target_columns", i] == done.outputs["target_linear", i]
+            )
+        tps = done.tokens_per_s
         ratios["target_columns_vs_linear"].append(tps["target_columns"] / tps["target_linear"])
         ratios["speedup_linear"].append(tps["spec_linear"] / tps["target_linear"])
         ratios["speedup_columns"].append(tps["spec_columns"] / tps["target_columns"])
         ratios["columns_vs_linear"].append(tps["spec_columns"] / tps["target_linear"])
-        alpha = {k: a / p for k, (a, p) in accepted.items() if p}
+        alpha = done.alpha()
         print(f"repeat {rep + 1}: " + ", ".join(f"{k} {v:.1f} t/s" for k, v in tps.items()))
 
     result = {k: median(v) for k, v in ratios.items()}

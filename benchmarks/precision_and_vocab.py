@@ -20,7 +20,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from common import default_target, median, prompt_ids, save, timed
+from common import default_target, interleaved, median, prompt_ids, save
 
 from draftsmith.specdec import stream as stream_module
 from draftsmith.specdec.decoder import speculative_generate, target_generate
@@ -63,8 +63,6 @@ def main() -> None:
             models["bf16"][0], cut, [ids], n, options=options, eos_ids=eos
         ),
     }
-    for fn in runs.values():  # warm-up
-        fn(prompts[0])
     ratios = {
         k: []
         for k in (
@@ -79,22 +77,13 @@ def main() -> None:
     }
     identical = {"fp32": [], "bf16": [], "bf16_cut_head": []}
     alpha = {}
-    for rep in range(args.repeats):
-        seconds = dict.fromkeys(runs, 0.0)
-        tokens = dict.fromkeys(runs, 0)
-        outs, acc = {}, {k: [0, 0] for k in runs}
-        for i, ids in enumerate(prompts):
-            for name, fn in runs.items():
-                (out, stats), dt = timed(fn, ids)
-                seconds[name] += dt
-                tokens[name] += len(out[0])
-                outs[name, i] = out[0]
-                acc[name][0] += stats.accepted
-                acc[name][1] += stats.proposed
+    for rep, done in enumerate(interleaved(runs, prompts, args.repeats)):
+        outs = done.outputs
+        for i in range(len(prompts)):
             identical["fp32"].append(outs["spec_fp32", i] == outs["base_fp32", i])
             identical["bf16"].append(outs["spec_bf16", i] == outs["base_bf16", i])
             identical["bf16_cut_head"].append(outs["spec_bf16_cut_head", i] == outs["base_bf16", i])
-        tps = {k: tokens[k] / seconds[k] for k in runs}
+        tps = done.tokens_per_s
         ratios["bf16_vs_fp32_target"].append(tps["base_bf16"] / tps["base_fp32"])
         ratios["row_exact_cost"].append(tps["base_bf16_one_row"] / tps["base_bf16"])
         ratios["speedup_fp32"].append(tps["spec_fp32"] / tps["base_fp32"])
@@ -102,7 +91,7 @@ def main() -> None:
         ratios["speedup_bf16_cut_head"].append(tps["spec_bf16_cut_head"] / tps["base_bf16"])
         ratios["cut_head_vs_full_head"].append(tps["spec_bf16_cut_head"] / tps["spec_bf16"])
         ratios["speedup_bf16_cut_head_vs_one_row_target"].append(tps["spec_bf16_cut_head"] / tps["base_bf16_one_row"])
-        alpha = {k: a / p for k, (a, p) in acc.items() if p}
+        alpha = done.alpha()
         print(f"repeat {rep + 1}: " + ", ".join(f"{k} {v:.1f} t/s" for k, v in tps.items()))
 
     result = {k: median(v) for k, v in ratios.items()}
