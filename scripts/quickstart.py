@@ -26,6 +26,7 @@ from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 from draftsmith.train.loop import train
 from draftsmith.train.models import RunModels
 from draftsmith.train.publish import check_output_folder, publish
+from draftsmith.train.speedup import card_figures
 
 CONFIG = "smollm2-135m"
 # The recipe measures on 6 held-out prompts, with the draft's head cut to the 8192 tokens most
@@ -119,7 +120,7 @@ def check_before_training(args: argparse.Namespace, cfg: DistillConfig, out: Pat
 
 def print_summary(run_dir: Path, report: dict, best: str) -> None:
     """The before/after table: the untrained draft against the best checkpoint."""
-    before, after = report["results"]["initial"]["0.0"], report["results"][best]["0.0"]
+    before, after = report["results"]["initial"]["0.0"], card_figures(report["results"][best]["0.0"])
     heldout = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     print()
     print(f"{'':<30}{'before (initial)':>18}{f'after ({best})':>24}")

@@ -53,11 +53,21 @@ def test_eval_run_measures_every_checkpoint_once(run_dir, capsys):
     best = json.loads((run_dir / "best.json").read_text())
     speedups = {n: r["0.0"]["speedup"] for n, r in report["results"].items()}
     assert best["checkpoint"] == max(speedups, key=speedups.get)
+    # the best draft alone is measured once more, at its gamma, after the choice
+    assert first.count("timing it once more") == 1 and f"{best['checkpoint']} is the best draft" in first
+    confirmed = [n for n, r in report["results"].items() if "confirmation" in r["0.0"] or "confirmation" in r["1.0"]]
+    assert confirmed == [best["checkpoint"]]
+    again = best["confirmation"]
+    assert again["greedy_match"] == 1.0 and again["speedup"] > 0 and 0 <= again["acceptance_rate"] <= 1
     assert (run_dir / "speedup.png").read_bytes()[:4] == b"\x89PNG"
     table = (run_dir / "speedup_report.md").read_text()
     assert f"| {best['checkpoint']} **best** |" in table
+    assert f"{best['checkpoint']}, measured again once chosen (the figure its model card gives): speedup " in table
+    assert report["matmul"] == "linear"  # a test-sized target fits the caches: torch's linear, untimed
+    assert f"hardware: {report['hardware']}, {report['dtype']}, few-row products: linear." in table
     assert main(["eval-run", str(run_dir), *EVAL, "--temperatures", "0,1"]) == 0
-    assert "measuring " not in capsys.readouterr().out  # nothing measured twice
+    again_out = capsys.readouterr().out
+    assert "measuring " not in again_out and "timing it once more" not in again_out  # nothing measured twice
 
 
 class PhaseClock:

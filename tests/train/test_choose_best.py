@@ -1,6 +1,6 @@
 """eval-run's best checkpoint: a later draft wins only when its lead exceeds the spread over repeats."""
 
-from draftsmith.train.speedup import choose_best, choose_tree, chosen_figures
+from draftsmith.train.speedup import card_figures, choose_best, choose_tree, chosen_figures
 
 
 def result(step, speedup, low, high):
@@ -41,3 +41,12 @@ def test_drafts_are_compared_by_the_decoding_they_chose():
     assert choose_best(candidates) == ("checkpoint-2", None)  # its tree's 1.50 lowest beats 1.25
     chain_only = candidates | {"checkpoint-2": tree_wins | {"best_tree": None}}
     assert choose_best(chain_only) == ("initial", None)
+
+
+def test_a_card_gives_the_measurement_taken_after_the_choice():
+    chosen = {**result(4, 1.24, 1.24, 1.24), "best_gamma": 1, "acceptance_rate": 0.35}
+    assert card_figures(chosen) == chosen  # not measured again: the figures it was chosen by
+    again = {**chosen, "confirmation": {"speedup": 1.17, "acceptance_rate": 0.33, "speedup_spread": None}}
+    card = card_figures(again)
+    assert (card["speedup"], card["acceptance_rate"], card["chosen_speedup"]) == (1.17, 0.33, 1.24)
+    assert card["best_gamma"] == 1 and card["step"] == 4
