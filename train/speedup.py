@@ -193,10 +193,12 @@ def confirm_draft(
 def card_figures(result: dict) -> dict:
     """A draft's figures at one temperature as a card gives them: its confirmation's (``confirm_draft``)
     where it was measured again once chosen, with the speedup it was chosen by as ``chosen_speedup``;
-    else the figures it was chosen by."""
+    else the figures it was chosen by. A figure the second run could not give (no draft token
+    proposed: no acceptance rate) stays the first run's."""
     if "confirmation" not in result:
         return result
-    return {**result, **result["confirmation"], "chosen_speedup": result["speedup"]}
+    again = {k: v for k, v in result["confirmation"].items() if v is not None}
+    return {**result, **again, "chosen_speedup": result["speedup"]}
 
 
 def cost_by_gamma(
@@ -300,7 +302,7 @@ def _markdown(report: dict) -> str:
     lines[4:4] = _shared_lines(report)
     best = report["results"].get(report.get("best"), {}).get(str(report["temperatures"][0]), {})
     if "confirmation" in best:
-        again = best["confirmation"]
+        again = card_figures(best)
         lines[4:4] = [
             f"{report['best']}, measured again once chosen (the figure its model card gives): speedup "
             f"{again['speedup']:.2f} at gamma {best['best_gamma']}, alpha {again['acceptance_rate']:.3f}, against "

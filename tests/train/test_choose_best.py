@@ -50,3 +50,5 @@ def test_a_card_gives_the_measurement_taken_after_the_choice():
     card = card_figures(again)
     assert (card["speedup"], card["acceptance_rate"], card["chosen_speedup"]) == (1.17, 0.33, 1.24)
     assert card["best_gamma"] == 1 and card["step"] == 4
+    paused = {**chosen, "confirmation": {"speedup": 0.99, "acceptance_rate": None}}  # it never drafted
+    assert (card_figures(paused)["speedup"], card_figures(paused)["acceptance_rate"]) == (0.99, 0.35)
