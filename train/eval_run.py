@@ -96,8 +96,7 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
     tokenizer = models.tokenizer
     eos = eos_token_ids(target, tokenizer)
     ranking = draft_vocab.load_ranking(run_dir, draft_vocab_size) if draft_vocab_size else None
-    report = start_report(run_dir, cfg, settings, dtype, draft_vocab_size)
-    report["matmul"] = matmul
+    report = start_report(run_dir, cfg, settings, dtype, draft_vocab_size, matmul)
     options = DecodeOptions(pace=settings.pace, draft_options=settings.draft_options)
     measure = MeasureSettings(
         read_prompts(settings.prompts_file)[: settings.limit],
@@ -142,16 +141,23 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
 
 
 def start_report(
-    run_dir: Path, cfg: DistillConfig, settings: RunEvalSettings, dtype: torch.dtype, draft_vocab_size: int
+    run_dir: Path,
+    cfg: DistillConfig,
+    settings: RunEvalSettings,
+    dtype: torch.dtype,
+    draft_vocab_size: int,
+    matmul: str,
 ) -> dict:
     """The run's report so far, or a new one when it was measured under other settings (or ``force``),
-    with the settings of this call."""
+    with the settings of this call. ``matmul``: the form of the target's few-row products
+    (``specdec.matmul``), a setting like the dtype: drafts measured in the other form are measured again."""
     measured_under = {
         "prompts": str(settings.prompts_file),
         "gammas": settings.gammas,
         "max_new_tokens": settings.max_new_tokens,
         "limit": settings.limit,
         "dtype": str(dtype).removeprefix("torch."),
+        "matmul": matmul,
         "draft_vocab": draft_vocab_size,
         "trees": [t.text for t in settings.trees],
         "repeats": settings.repeats,

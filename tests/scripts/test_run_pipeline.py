@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from draftsmith.cli import main
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.measure import runs
-from draftsmith.train import models, speedup
+from draftsmith.train import eval_run, models, speedup
 from draftsmith.train.config import DistillConfig, load_config
 from draftsmith.train.loop import train
 from draftsmith.train.speedup import choose_best
@@ -68,6 +68,19 @@ def test_eval_run_measures_every_checkpoint_once(run_dir, capsys):
     assert main(["eval-run", str(run_dir), *EVAL, "--temperatures", "0,1"]) == 0
     again_out = capsys.readouterr().out
     assert "measuring " not in again_out and "timing it once more" not in again_out  # nothing measured twice
+
+
+def test_drafts_measured_in_the_other_product_form_are_measured_again(run_dir, monkeypatch, capsys):
+    assert main(["eval-run", str(run_dir), *EVAL]) == 0
+    capsys.readouterr()
+    with monkeypatch.context() as patch:  # as if this machine's timing chose the column form
+        patch.setattr(eval_run, "use_column_products", lambda model, columns=None: True)
+        assert main(["eval-run", str(run_dir), *EVAL]) == 0
+    assert capsys.readouterr().out.count("measuring ") == 3  # initial, checkpoint-2, checkpoint-4
+    assert json.loads((run_dir / "speedup_report.json").read_text())["matmul"] == "columns"
+    assert main(["eval-run", str(run_dir), *EVAL]) == 0  # and back: measured again in linear
+    assert capsys.readouterr().out.count("measuring ") == 3
+    assert json.loads((run_dir / "speedup_report.json").read_text())["matmul"] == "linear"
 
 
 class PhaseClock:
