@@ -4,12 +4,14 @@ few wall-clock budgets, each snapshot measured on held-out prompts.
 Training: each kind's shipped config (``configs/smollm2-135m.yaml`` for the standalone LM,
 ``configs/smollm2-135m-KIND.yaml`` for the others, ``_`` written ``-``) on ``dataset: smollm2-self``,
 with the config's own teacher settings (the kinds that read the target's features train from the
-feature store where their config says so). One run per kind is stepped until the first budget of
-training-step minutes has passed, snapshotted (held-out alpha logged, draft saved), stepped on to the
-next budget, and so on: the budgets are points on one run's curve, under the schedule of the
-config's ``max_steps`` (a run that reaches ``max_steps`` before a budget is snapshotted there). Set-up,
-a feature store's build, held-out evaluations and checkpoint writing are not counted in the budget;
-they are reported (``wall_s``). The machine's load is recorded around each run.
+feature store where their config says so). One run per kind spends the largest budget as
+``distill`` does with ``optim.max_minutes``: it times its first steps and plans as many as fit in
+those minutes (its config's ``max_steps`` does not cap it: every kind trains for the same minutes),
+its learning-rate schedule decaying to the planned last step. It is snapshotted (held-out alpha
+logged, draft saved) when each budget of training-step minutes has passed: the smaller budgets are
+points on that one run's curve, before its schedule has decayed. Set-up, a feature store's build,
+held-out evaluations and checkpoint writing are not counted in the budget; they are reported
+(``wall_s``). The machine's load is recorded around each run.
 
 Measured per snapshot, greedy, batch 1, on prompts never trained on (``distill/data/eval_prompts.jsonl``),
 with eval-run's own measurement (``train.speedup.measure_draft``: each figure side by side with the
@@ -54,6 +56,7 @@ from draftsmith.train.models import load_target
 from draftsmith.train.speedup import measure_draft
 
 CONFIGS = Path(__file__).parents[1] / "configs"
+UNCAPPED = 1_000_000  # max_steps under a budget of minutes: the budget alone sets the steps
 # --smoke: configs/tiny.yaml as each kind, with the options a kind cannot do without there
 SMOKE_OVERRIDES = {
     "lm": [],
@@ -189,6 +192,7 @@ def main() -> None:
     if args.smoke:
         budgets, args.prompts, args.max_new_tokens, args.repeats, args.gammas = [0.02, 0.05], 2, 16, 1, [1, 2]
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "table")} | {"budgets": budgets}
+    settings["steps"] = "planned for the largest budget"  # as optim.max_minutes plans them, max_steps uncapped
     dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
     dtype_name = str(dtype).removeprefix("torch.")
     curves, machines = {}, {}
@@ -205,6 +209,7 @@ def main() -> None:
             print(f"{kind}: the earlier run stopped while training it; starting it again")
             shutil.rmtree(args.out / kind)
         config, overrides = kind_config(kind, args.smoke)
+        overrides = [*overrides, f"optim.max_minutes={budgets[-1]}", f"optim.max_steps={UNCAPPED}"]
         cfg = load_config(DistillConfig, str(config), [*overrides, f"output_dir={args.out / kind}"])
         print(f"{kind}: {config.name} {' '.join(overrides)}, snapshots at {budgets} training minutes")
         curves[kind] = []

@@ -13,7 +13,7 @@ from draftsmith.distill.drafts import kind_of_folder, load_draft
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.train.config import DistillConfig
-from draftsmith.train.loop import log_heldout, setup, train_step
+from draftsmith.train.loop import StepTimes, log_heldout, plan_budget, setup, train_step
 from draftsmith.train.loop import save as save_checkpoint
 
 
@@ -33,10 +33,12 @@ def train_for(cfg: DistillConfig, minutes: float) -> dict:
 def train_snapshots(cfg: DistillConfig, budgets: list[float]):
     """Step the run ``cfg`` describes; at each of ``budgets`` (minutes of training steps, ascending) or at
     ``max_steps``, log its held-out alpha, save its draft and yield (budget, the run's figures so far,
-    the draft's folder). Set-up, held-out evaluations and checkpoint writes are not counted."""
+    the draft's folder). Set-up, held-out evaluations and checkpoint writes are not counted. With
+    ``optim.max_minutes`` the run plans its steps from its measured pace as ``distill`` does (its
+    schedule decays to the planned last step)."""
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     run = setup(cfg)
-    spent, tokens, epoch, pending = 0.0, 0, 0, list(budgets)
+    spent, tokens, epoch, pending, times = 0.0, 0, 0, list(budgets), StepTimes()
     while pending:
         run.loader.set_epoch(epoch)
         batches = iter(run.loader)
@@ -44,10 +46,13 @@ def train_snapshots(cfg: DistillConfig, budgets: list[float]):
             micro = [next(batches) for _ in range(cfg.optim.grad_accum)]
             start = time.perf_counter()
             loss, step_tokens = train_step(run, micro)
-            spent += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            spent += seconds
             tokens += step_tokens
             run.window_loss, run.window_tokens = run.window_loss + loss, run.window_tokens + step_tokens
-            finished = run.step >= cfg.optim.max_steps
+            if cfg.optim.max_minutes is not None:
+                plan_budget(run, cfg, times, seconds)  # run.cfg.optim.max_steps becomes the planned steps
+            finished = run.step >= run.cfg.optim.max_steps
             while pending and (spent >= 60 * pending[0] or finished):
                 log_heldout(run)
                 save_checkpoint(run)
