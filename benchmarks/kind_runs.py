@@ -41,6 +41,11 @@ def train_snapshots(cfg: DistillConfig, budgets: list[float]):
     spent, tokens, epoch, pending, times = 0.0, 0, 0, list(budgets), StepTimes()
     while pending:
         run.loader.set_epoch(epoch)
+        if epoch > 0:  # a store the first epoch filled (teacher.cache_fill: first_epoch) is read from here on
+            live = run.teacher.runs_target
+            run.teacher.epoch_end(run.accelerator)
+            if live and not run.teacher.runs_target:
+                times.switch_step = run.step
         batches = iter(run.loader)
         for _ in range(len(run.loader) // cfg.optim.grad_accum):
             micro = [next(batches) for _ in range(cfg.optim.grad_accum)]
