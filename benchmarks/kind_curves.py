@@ -54,7 +54,7 @@ from draftsmith.specdec.loading import cpu_has_native_bfloat16, eos_token_ids
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
-from draftsmith.train.config import DistillConfig, load_config
+from draftsmith.train.config import DistillConfig, load_config, with_settings
 from draftsmith.train.models import load_target
 from draftsmith.train.speedup import measure_draft
 
@@ -216,7 +216,7 @@ def main() -> None:
         cfg = load_config(DistillConfig, str(config), [*overrides, f"output_dir={args.out / kind}"])
         if cfg.teacher.cache and cfg.teacher.cache_fill != "before":  # every store built before the budget starts
             overrides.append("teacher.cache_fill=before")
-            cfg = load_config(DistillConfig, str(config), [*overrides, f"output_dir={args.out / kind}"])
+            cfg = with_settings(cfg, {"teacher.cache_fill": "before"})
         print(f"{kind}: {config.name} {' '.join(overrides)}, snapshots at {budgets} training minutes")
         curves[kind] = []
         for budget, trained, folder in train_snapshots(cfg, budgets):

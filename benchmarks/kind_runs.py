@@ -13,7 +13,7 @@ from draftsmith.distill.drafts import kind_of_folder, load_draft
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.train.config import DistillConfig
-from draftsmith.train.loop import StepTimes, log_heldout, plan_budget, setup, train_step
+from draftsmith.train.loop import StepTimes, end_of_epoch, log_heldout, plan_budget, setup, train_step
 from draftsmith.train.loop import save as save_checkpoint
 
 
@@ -42,10 +42,7 @@ def train_snapshots(cfg: DistillConfig, budgets: list[float]):
     while pending:
         run.loader.set_epoch(epoch)
         if epoch > 0:  # a store the first epoch filled (teacher.cache_fill: first_epoch) is read from here on
-            live = run.teacher.runs_target
-            run.teacher.epoch_end(run.accelerator)
-            if live and not run.teacher.runs_target:
-                times.switch_step = run.step
+            end_of_epoch(run, times)
         batches = iter(run.loader)
         for _ in range(len(run.loader) // cfg.optim.grad_accum):
             micro = [next(batches) for _ in range(cfg.optim.grad_accum)]

@@ -125,11 +125,8 @@ def train(cfg: DistillConfig, stop_at_step: int | None = None) -> Result:
         epoch, done_in_epoch = divmod(run.step, steps_per_epoch)
         # The same data order as an uninterrupted run: reseed the sampler per epoch, skip what was done.
         run.loader.set_epoch(epoch)
-        if epoch > 0:  # a store filled by the first epoch is complete: read it from here on
-            live = run.teacher.runs_target
-            run.teacher.epoch_end(run.accelerator)
-            if live and not run.teacher.runs_target:
-                times.switch_step = run.step
+        if epoch > 0:
+            end_of_epoch(run, times)
         skipped = done_in_epoch * cfg.optim.grad_accum
         batches = iter(run.accelerator.skip_first_batches(run.loader, skipped) if skipped else run.loader)
         for _ in range(done_in_epoch, steps_per_epoch):
@@ -242,6 +239,15 @@ class StepTimes:
     live: list[float] = dataclasses.field(default_factory=list)
     store: list[float] = dataclasses.field(default_factory=list)
     switch_step: int | None = None
+
+
+def end_of_epoch(run: Run, times: StepTimes) -> None:
+    """Between epochs: a store the first epoch filled is complete and read from here on; the step
+    where the teacher turned to it is kept for the budget's plan (``times.switch_step``)."""
+    live = run.teacher.runs_target
+    run.teacher.epoch_end(run.accelerator)
+    if live and not run.teacher.runs_target:
+        times.switch_step = run.step
 
 
 def plan_budget(run: Run, cfg: DistillConfig, times: StepTimes, seconds: float) -> None:

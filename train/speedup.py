@@ -324,9 +324,9 @@ def _markdown(report: dict) -> str:
 
 def _precision(report: dict) -> str:
     """The dtype and the form of few-row products (``specdec.matmul``) the drafts were measured in."""
-    parts = [report[k] for k in ("dtype", "matmul") if report.get(k)]
+    parts = [report["dtype"]] if report.get("dtype") else []
     if report.get("matmul"):
-        parts[-1] = f"few-row products: {parts[-1]}"
+        parts.append(f"few-row products: {report['matmul']}")
     return f", {', '.join(parts)}" if parts else ""
 
 
