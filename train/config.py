@@ -120,6 +120,12 @@ class TeacherSection:
     # the target's dtype as teacher and answer generator: auto = bfloat16 on CUDA and on CPUs with native
     # bfloat16 (as eval measures it), else float32; a kind may keep float32 (early_exit drafts share its layers)
     dtype: str = "auto"
+    # read only the target's tensors the draft copies (embeddings, norm, head, the layers its init takes)
+    # until something runs the target; false: load it whole at the start
+    load_parts: bool = True
+    # shard a live teacher over the processes of a launch (FSDP2), each holding 1/N of it: auto = when
+    # there are several processes and the teacher runs (no store, or a store the first epoch fills)
+    shard: str = "auto"  # auto | true | false
 
 
 @dataclass
@@ -201,6 +207,7 @@ class DistillConfig:
             self.loss,
             self.optim,
         )
+        t.shard = t.shard.lower()  # a YAML true reads as the string True
         checks = [
             (d.lora_r >= 0, "draft.lora_r must be >= 0"),
             (d.vocab >= 0, "draft.vocab must be >= 0 (0 = the full head)"),
@@ -213,6 +220,7 @@ class DistillConfig:
                 t.cache_fill in ("before", "first_epoch"),
                 f"teacher.cache_fill must be before or first_epoch, got {t.cache_fill!r}",
             ),
+            (t.shard in ("auto", "true", "false"), f"teacher.shard must be auto, true or false, got {t.shard!r}"),
             (
                 t.dtype in ("auto", "float32", "bfloat16", "float16"),
                 "teacher.dtype must be auto, float32, bfloat16 or float16",

@@ -18,6 +18,7 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import draftsmith_home, eos_token_ids
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.train.config import DistillConfig
+from draftsmith.train.sharding import TeacherForward
 
 
 @dataclass
@@ -214,27 +215,40 @@ class TeacherSettings:
 class Teacher:
     """The teacher at a batch's loss rows: ``teacher(batch, rows (M,)) -> TeacherRows``. ``forwards``:
     the target forward passes it made for training batches; ``source``: live, store or filled (the
-    store filled by the first epoch's live forwards); ``store``: the store's folder, if any."""
+    store filled by the first epoch's live forwards); ``store``: the store's folder, if any. The target
+    runs through ``forward``, sharded over the launch's processes or not (``train.sharding``)."""
 
     source = "live"
     store: Path | None = None
 
-    def __init__(self, target: PreTrainedModel, settings: TeacherSettings):
+    def __init__(self, target: PreTrainedModel, settings: TeacherSettings, forward: TeacherForward | None = None):
         self.target, self.settings, self.forwards = target, settings, 0
+        self.forward = forward or TeacherForward(target)
+
+    @property
+    def sharded(self) -> bool:
+        return self.forward.sharded
 
     def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
         return self.live(batch, rows)[0]
 
-    def live(self, batch: dict, rows: torch.Tensor, argmax: bool = True) -> tuple[TeacherRows, vocab_cut.TargetRows]:
-        """The target's forward over ``batch``: (the teacher at ``rows``, the decoder's output there);
-        ``argmax`` False leaves the argmax out even when the settings ask for it (the caller has it)."""
+    def live(
+        self, batch: dict, rows: torch.Tensor, argmax: bool = True, top_k: int = 0
+    ) -> tuple[TeacherRows, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The target's forward over ``batch``: (the teacher at ``rows``, the head's top-``top_k`` (ids,
+        log-probs), each (M, k), at temperature 1 when asked for, else None); ``argmax`` False leaves the
+        argmax out even when the settings ask for it (the caller has it)."""
         self.forwards += 1
         s = self.settings
-        out = vocab_cut.target_rows(self.target, batch, rows, s.layers)  # hidden (M, H)
-        log_probs = vocab_cut.head_log_probs(self.target, out.hidden, s.head_ids, s.temperature, s.full_normalizer)
-        argmax = vocab_cut.head_argmax(self.target, out.hidden).to(s.device) if s.argmax and argmax else None
-        # .to(): a target spread with teacher.device_map computes on its last device
-        return TeacherRows(log_probs.to(s.device), out.layers, argmax), out
+
+        def read(target: PreTrainedModel, out: vocab_cut.TargetRows):
+            log_probs = vocab_cut.head_log_probs(target, out.hidden, s.head_ids, s.temperature, s.full_normalizer)
+            best = vocab_cut.head_argmax(target, out.hidden).to(s.device) if s.argmax and argmax else None
+            top = teacher_cache.head_top_k(target, out.hidden, top_k) if top_k else None
+            # .to(): a target spread with teacher.device_map computes on its last device
+            return TeacherRows(log_probs.to(s.device), out.layers, best), top
+
+        return self.forward(batch, rows, s.layers, read)
 
     @property
     def runs_target(self) -> bool:
@@ -306,14 +320,13 @@ class FillingTeacher(Teacher):
     def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
         if self.reading is not None:
             return self.reading(batch, rows)
-        teacher, out = self.live(batch, rows, argmax=False)
-        ids, logps = teacher_cache.head_top_k(self.target, out.hidden, self.cfg.teacher.top_k)  # (M, k)
+        teacher, (ids, logps) = self.live(batch, rows, argmax=False, top_k=self.cfg.teacher.top_k)  # (M, k)
         if self.settings.argmax:  # the top-k's first entry, as the store will give it: no second full head
             teacher.argmax = teacher_cache.rows_teacher_argmax([(ids, logps)], self.settings.device)
         counts = batch["loss_mask"].sum(1).tolist()
         lengths = batch["attention_mask"].sum(1).tolist()
         for row, i in enumerate(batch["index"].tolist()):
-            hidden = {layer: out.layers[layer][row, : lengths[row]].cpu() for layer in self.settings.layers}
+            hidden = {layer: teacher.hidden[layer][row, : lengths[row]].cpu() for layer in self.settings.layers}
             start = sum(counts[:row])
             entry = (ids[start : start + counts[row]], logps[start : start + counts[row]], hidden)
             self.seen[teacher_cache.example_digest(self.examples[i])] = entry
@@ -363,6 +376,7 @@ def store_made_by(cfg: DistillConfig, target: PreTrainedModel, examples: list[di
         "dtype": teacher_cache.dtype_name(target.dtype),
         "top_k": cfg.teacher.top_k,
         "content": teacher_cache.content_digest(teacher_cache.unique_examples(examples)[0]),
+        "teacher_revision": teacher_cache.TEACHER_REVISION,
     }
     if layers:
         made_by |= {"layers": sorted(layers), "hidden_dtype": cfg.teacher.cache_dtype}
@@ -437,6 +451,24 @@ def teacher(
     return from_store(target, settings, folder, train_examples)
 
 
+def heldout_teacher(
+    cfg: DistillConfig, target, training: Teacher, heldout: list[dict], head_ids: torch.Tensor | None, device
+) -> StoreTeacher | None:
+    """The teacher at the held-out rows read from the store the training teacher reads, when that store
+    holds every held-out example (None: held-out metrics run the target). Its p is the stored top-k with
+    the rest of the mass spread evenly, at temperature 1, over the head's tokens."""
+    if not isinstance(training, StoreTeacher):
+        return None
+    layers = training.settings.layers
+    settings = TeacherSettings(head_ids, 1.0, True, layers, device)
+    if training.reader is not None:
+        if any(teacher_cache.example_digest(e) not in training.reader.entries for e in heldout):
+            return None
+        return StoreTeacher(target, settings, heldout, training.reader.lookup(heldout), training.reader)
+    entries = dataset_teacher_entries(cfg, target, heldout, None)
+    return None if entries is None else StoreTeacher(target, settings, heldout, entries)
+
+
 def from_store(target, settings: TeacherSettings, folder: Path, examples: list[dict]) -> StoreTeacher:
     """The teacher read from the complete store in ``folder``."""
     reader = teacher_cache.Store(folder)
@@ -444,16 +476,17 @@ def from_store(target, settings: TeacherSettings, folder: Path, examples: list[d
 
 
 def dataset_teacher_entries(
-    cfg: DistillConfig, target, examples: list[dict], accelerator: Accelerator
+    cfg: DistillConfig, target, examples: list[dict], accelerator: Accelerator | None
 ) -> dataset_cache.Entries | None:
     """The training examples' teacher entries from the top-k cache a ``draftsmith data`` folder carries
-    (``--teacher-cache K``, K >= teacher.top_k, the run's teacher dtype), or None: then the run builds its own."""
+    (``--teacher-cache K``, K >= teacher.top_k, the run's teacher dtype), or None: then the run builds its own.
+    ``accelerator``: the main process says where they come from (None: nothing is said)."""
     folder = dataset_builder.built_folder(cfg.data.dataset)
     if folder is None:
         return None
     dtype = str(target.dtype).removeprefix("torch.")
     entries = dataset_cache.dataset_entries(folder, examples, dtype, cfg.teacher.top_k, cfg.data.max_length)
-    if entries is not None:
+    if entries is not None and accelerator is not None:
         accelerator.print(
             f"teacher: the top-{cfg.teacher.top_k} cache {folder} carries (the target is not run over it)"
         )

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import importlib.util
 import json
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +43,21 @@ from draftsmith.specdec.files import write_text
 from draftsmith.specdec.loading import eos_token_ids, resolve_device
 from draftsmith.specdec.measure.costs import measure_cost_ratio
 from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.partial_model import count_loaded, is_loaded, load_whole
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.train import budget, checkpoint, cpu_setup, speedup
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, flat_settings, save_config, with_settings
-from draftsmith.train.examples import Teacher, TeacherRows, build_examples, generation, loaders, teacher
+from draftsmith.train.examples import (
+    Teacher,
+    TeacherRows,
+    build_examples,
+    generation,
+    heldout_teacher,
+    loaders,
+    teacher,
+)
 from draftsmith.train.models import build_models, in_dtype_of, mixed_precision
+from draftsmith.train.sharding import TeacherForward, shard_teacher
 
 LOGS = ("metrics.jsonl", "losses.jsonl", "speedup.jsonl")  # one JSON record per line, each with its "step"
 
@@ -77,6 +89,7 @@ class Run:
     loader: DataLoader
     heldout: DataLoader
     teacher: Teacher
+    heldout_teacher: Teacher | None  # the held-out rows' teacher from the store, when it holds them
     ranking: list[int]  # token ids by frequency in the training answers (draft_vocab.json)
     head_ids: torch.Tensor | None = None  # (N,) the tokens the draft's head is cut to (draft.vocab)
     mixer: OnPolicyMixer | None = None  # on-policy data, when on_policy.fraction > 0
@@ -179,6 +192,13 @@ def setup(cfg: DistillConfig) -> Run:
     sparse = not kind.teacher_log_probs(draft)
     examples = (train_examples, heldout_examples)
     teacher_logits = teacher(cfg, target, examples, pad, accelerator, head_ids, layers, argmax, sparse)
+    # held-out metrics run the target where it is loaded (exact p); a run holding only the draft's parts of
+    # it reads them from the store when the store holds the held-out rows, else the target's body loads
+    held_teacher = None
+    if not is_loaded(target):
+        held_teacher = heldout_teacher(cfg, target, teacher_logits, heldout_examples, head_ids, accelerator.device)
+    if shards_teacher(cfg, accelerator, teacher_logits):
+        teacher_logits.forward = shard_teacher(target)
     loader, heldout = loaders(cfg, train_examples, heldout_examples, pad)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
@@ -197,6 +217,7 @@ def setup(cfg: DistillConfig) -> Run:
         loader=loader,
         heldout=heldout,
         teacher=teacher_logits,
+        heldout_teacher=held_teacher,
         ranking=ranking,
         head_ids=head_ids,
     )
@@ -328,6 +349,29 @@ def trackers(report_to: str) -> list[str] | None:
     return names
 
 
+def shards_teacher(cfg: DistillConfig, accelerator: Accelerator, teacher: Teacher) -> bool:
+    """Whether the live teacher is sharded over the launch's processes (``teacher.shard``): ``auto`` shards
+    a teacher that runs in every step under several processes unless something needs it whole (then a
+    note says what); ``true`` refuses such a run instead."""
+    if cfg.teacher.shard == "false" or accelerator.num_processes == 1 or not teacher.runs_target:
+        return False
+    whole = None
+    if cfg.teacher.cache:
+        whole = "teacher.cache fills its store with each process's own target (build the store first: draftsmith data)"
+    elif cfg.draft.kind == "early_exit":
+        whole = "an early_exit draft shares the target's layers"
+    elif cfg.teacher.device_map is not None:
+        whole = "teacher.device_map places the whole target over this process's GPUs"
+    elif cfg.eval.speedup_steps:
+        whole = "eval.speedup_steps decodes with the target in the main process alone (measure with eval-run instead)"
+    if whole is None:
+        return True
+    if cfg.teacher.shard == "true":
+        raise DraftsmithError(f"teacher.shard=true: the teacher cannot be sharded here: {whole}")
+    print0(accelerator, f"note: the teacher is not sharded over the {accelerator.num_processes} processes: {whole}")
+    return False
+
+
 def cut_head_ids(
     cfg: DistillConfig, ranking: list[int], eos_ids: frozenset[int], device: torch.device
 ) -> torch.Tensor | None:
@@ -346,6 +390,11 @@ def decoding_draft(draft, head_ids: torch.Tensor | None):
     return draft_vocab.SubsetHeadDraft(draft, head_ids.tolist())
 
 
+def sharded_forward(run: Run) -> TeacherForward | None:
+    """The teacher's forward when it is sharded (held-out metrics then run the target through it)."""
+    return run.teacher.forward if run.teacher.sharded else None
+
+
 def loss_head(run: Run) -> LossHead:
     """How this run's training forwards apply the draft's head: at the loss rows, full or cut."""
     model = run.accelerator.unwrap_model(run.draft)
@@ -353,17 +402,22 @@ def loss_head(run: Run) -> LossHead:
 
 
 def describe(accelerator: Accelerator, draft, target, n_examples: int, head_ids: torch.Tensor | None) -> None:
-    """Print the sizes and the measured cost ratio c of the draft as it decodes (main process)."""
+    """Print the sizes and the measured cost ratio c of the draft as it decodes (main process); c is left
+    out while the target holds only the tensors the draft read (timing it would load the rest)."""
     if not accelerator.is_main_process:
         return
-    cost_ratio = measure_cost_ratio(target, decoding_draft(in_dtype_of(draft, target), head_ids))
+    total, loaded = count_loaded(target)
+    if loaded == total:
+        cost_ratio = measure_cost_ratio(target, decoding_draft(in_dtype_of(draft, target), head_ids))
+        cost = f"measured cost ratio c = {cost_ratio:.3f} (draft step / target step)"
+    else:
+        cost = f"{loaded / 1e6:.2f} M of its tensors loaded (what the draft reads; the rest loads if it runs)"
     head = "full head" if head_ids is None else f"head cut to {len(head_ids)} tokens"
     print0(
         accelerator,
         f"draft: {count_parameters(draft) / 1e6:.2f} M parameters "
         f"({count_parameters(draft, trainable_only=True) / 1e6:.2f} M trainable, {head}); target: "
-        f"{count_parameters(target) / 1e6:.2f} M; measured cost ratio c = {cost_ratio:.3f} "
-        f"(draft step / target step); {n_examples} training sequences",
+        f"{total / 1e6:.2f} M; {cost}; {n_examples} training sequences",
     )
 
 
@@ -403,7 +457,8 @@ def start(run: Run) -> None:
     if accelerator.is_main_process:
         for name in LOGS[:2]:
             (run.run_dir / name).unlink(missing_ok=True)
-    heldout = heldout_metrics(run.draft, run.target, run.heldout, accelerator, loss_head(run), run.heldout_memo)
+    held = (run.heldout_memo, run.heldout_teacher, sharded_forward(run))
+    heldout = heldout_metrics(run.draft, run.target, run.heldout, accelerator, loss_head(run), *held)
     run.last_metrics = {"step": 0, **heldout}
     state = accelerator.get_state_dict(run.draft)  # a collective: every process takes part
     if accelerator.is_main_process:
@@ -513,7 +568,8 @@ def on_step_end(run: Run, loss: float, tokens: int) -> None:
 def log_heldout(run: Run) -> None:
     """Held-out acceptance next to the loss, learning rate and throughput since the last record."""
     elapsed = time.perf_counter() - run.window_start  # training time only, before the held-out evaluation
-    metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator, loss_head(run), run.heldout_memo)
+    held = (run.heldout_memo, run.heldout_teacher, sharded_forward(run))
+    metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator, loss_head(run), *held)
     run.last_metrics = {
         "step": run.step,
         "loss": run.window_loss / (run.step % run.cfg.log.steps or run.cfg.log.steps),
@@ -545,9 +601,13 @@ def progress_line(run: Run) -> str:
 def write_train_summary(run: Run) -> None:
     """``train_summary.json`` beside the checkpoints (atomically): the target forward passes this
     process's training steps made, summed over processes (0 when the teacher is read from a store;
-    held-out evaluations are not counted), the steps, and the loss tokens trained per second of step time."""
+    held-out evaluations are not counted), the steps, the loss tokens trained per second of step time,
+    and per process the target's parameters it holds and its peak resident memory."""
     device = run.accelerator.device
     forwards = int(run.accelerator.reduce(torch.tensor(run.teacher.forwards, device=device), "sum"))
+    total, loaded = count_loaded(run.target)
+    per_process = torch.tensor([loaded, peak_rss()], device=device)[None]  # (1, 2)
+    loaded_by, rss_by = run.accelerator.gather(per_process).T.tolist()  # one of each per process
     if not run.accelerator.is_main_process:
         return
     summary = {
@@ -560,8 +620,17 @@ def write_train_summary(run: Run) -> None:
         "teacher": run.teacher.source,
         "store": None if run.teacher.store is None else str(run.teacher.store),
         "processes": run.accelerator.num_processes,
+        "target_parameters": total,
+        "target_parameters_loaded": loaded_by,  # per process: resident in it (a sharded teacher: its shard)
+        "teacher_sharded": run.teacher.sharded,
+        "peak_rss_bytes": rss_by,  # per process
     }
     write_text(run.run_dir / "train_summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def summarize(run: Run) -> None:
@@ -579,23 +648,42 @@ def summarize(run: Run) -> None:
 
 
 @torch.no_grad()
-def heldout_metrics(draft, target, loader, accelerator: Accelerator, head: LossHead, memo: dict | None = None) -> dict:
+def heldout_metrics(
+    draft,
+    target,
+    loader,
+    accelerator: Accelerator,
+    head: LossHead,
+    memo: dict | None = None,
+    stored: Teacher | None = None,
+    forward: TeacherForward | None = None,
+) -> dict:
     """Mean acceptance probability sum_x min(p, q) and TVD over held-out tokens, synced across processes.
 
     Exact over the target's full vocabulary, with both heads at the loss rows only; with a cut head
     (``head.ids``) the draft's q is the cut head's (zero outside those tokens), as it decodes. A kind
     that predicts several steps ahead is measured on its first step (the next token). ``memo`` (a
     run's, kept between evaluations) holds the frozen target's decoder output per held-out batch, so
-    only the first evaluation runs the target's layers; the later ones apply its head to them."""
+    only the first evaluation runs the target's layers; the later ones apply its head to them. ``stored``:
+    the held-out rows' teacher read from a feature store instead (no target runs; p is its top-k with
+    the rest spread evenly). ``forward``: the sharded target's forward (every process takes part; no memo)."""
     alpha = torchmetrics.MeanMetric().to(accelerator.device)
     layers = head.kind.teacher_layers(head.model)
     was_training = draft.training
     draft.eval()
     for index, batch in enumerate(loader):
         rows = vocab_cut.loss_rows(batch["loss_mask"])  # (M,)
-        target_out = frozen_target_rows(target, batch, rows, layers, memo, index)
-        p = vocab_cut.head_log_probs(target, target_out.hidden, head.ids).to(accelerator.device)  # (M, N or V)
-        teacher = TeacherRows(p, target_out.layers)
+        if stored is not None:
+            teacher = stored(batch, rows)
+            p = teacher.log_probs  # (M, N or V)
+        elif forward is not None:
+            read = functools.partial(heldout_teacher_rows, head.ids, accelerator.device)
+            teacher = forward(batch, rows, layers, read)
+            p = teacher.log_probs
+        else:
+            target_out = frozen_target_rows(target, batch, rows, layers, memo, index)
+            p = vocab_cut.head_log_probs(target, target_out.hidden, head.ids).to(accelerator.device)  # (M, N or V)
+            teacher = TeacherRows(p, target_out.layers)
         predicted = draft_predictions(draft, batch, rows, teacher, head)
         q = predicted.logits if predicted.teacher_rows is None else predicted.logits[: len(rows)]  # step 0 first
         a = row_acceptance(q, p)  # (M,)
@@ -603,6 +691,13 @@ def heldout_metrics(draft, target, loader, accelerator: Accelerator, head: LossH
     draft.train(was_training)
     value = float(alpha.compute())
     return {"acceptance_rate": value, "tvd": 1 - value}
+
+
+def heldout_teacher_rows(
+    ids: torch.Tensor | None, device: torch.device, target: PreTrainedModel, out: vocab_cut.TargetRows
+) -> TeacherRows:
+    """The frozen target's full log-probs (M, N or V) and hidden states at the held-out loss rows."""
+    return TeacherRows(vocab_cut.head_log_probs(target, out.hidden, ids).to(device), out.layers)
 
 
 def frozen_target_rows(
@@ -624,6 +719,7 @@ def measure_speedup(run: Run) -> None:
     """The current draft's real speedup (greedy), measured on the main process; the others wait."""
     cfg, target, tokenizer = run.cfg, run.target, run.tokenizer
     if run.accelerator.is_main_process:
+        load_whole(target)  # the decoder reads its weights outside forwards too
         prompts_file = ddata.EVAL_PROMPTS if cfg.eval.prompts == "builtin" else cfg.eval.prompts
         prompts = read_prompts(prompts_file)[: cfg.eval.limit]
         model = decoding_draft(in_dtype_of(run.accelerator.unwrap_model(run.draft), target), run.head_ids)

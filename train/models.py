@@ -14,9 +14,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill.drafts import kind_named
+from draftsmith.distill.drafts.kind import TargetParts
 from draftsmith.distill.tiny import tiny_target
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.loading import load_model, load_tokenizer, resolve_dtype
+from draftsmith.specdec.loading import check_model_files, load_model, load_tokenizer, resolve_dtype, resolve_model
+from draftsmith.specdec.partial_model import cast_parameters, load_partial, load_whole
 from draftsmith.train.config import DistillConfig, draft_settings, load_run_config
 
 
@@ -93,10 +95,13 @@ class RunModels:
         key = (str(device), dtype)
         if key not in self.targets:
             same_device = [model for (where, _), model in self.targets.items() if where == str(device)]
+            for model in same_device:  # a training run's target may hold only what its draft read
+                load_whole(model)
             if same_device:
-                self.targets[key] = copy.deepcopy(same_device[0]).to(dtype)
+                self.targets[key] = cast_parameters(copy.deepcopy(same_device[0]), dtype)
             else:
                 self.targets[key], self.tokenizer = load_target(self.cfg, device, dtype)
+        load_whole(self.targets[key])
         return self.targets[key]
 
 
@@ -116,11 +121,36 @@ def mixed_precision(cfg: DistillConfig, device: torch.device) -> str:
 def build_models(cfg: DistillConfig, device: torch.device):
     """(target, tokenizer, draft): the frozen teacher and the trainable draft.
 
-    The draft is built from the float32 target; the teacher is then cast to ``teacher.dtype``.
+    The draft is built from the target's tensors in float32 (the dtype it trains in). With
+    ``teacher.load_parts`` only the tensors its kind reads are loaded (``target_parts``): the rest of
+    the target loads the first time the target runs (``specdec.partial_model``), directly in the
+    teacher's dtype, so a run fed by a feature store never holds the target's layers. Otherwise the
+    whole target loads in float32 and is then cast to ``teacher.dtype``.
     """
-    target, tokenizer = load_target(cfg, device)
+    teaching = teacher_dtype(cfg, device)
+    if cfg.target == "tiny" or not cfg.teacher.load_parts or cfg.teacher.device_map is not None:
+        target, tokenizer = load_target(cfg, device)
+        draft = build_draft(cfg, target, tokenizer, device)
+        return cast_parameters(target, teaching), tokenizer, draft
+    tokenizer = load_tokenizer(cfg.target)
+    source = resolve_model(cfg.target)
+    if Path(source).is_dir():
+        check_model_files(Path(source))
+    partial = load_partial(source, device, teaching)
+    target = partial.model
+    parts = kind_named(cfg.draft.kind).target_parts(draft_settings(cfg), len(target.get_decoder().layers))
+    partial.load(part_modules(target, parts), torch.float32)
     draft = build_draft(cfg, target, tokenizer, device)
-    return target.to(teacher_dtype(cfg, device)), tokenizer, draft
+    return cast_parameters(target, teaching), tokenizer, draft
+
+
+def part_modules(target: PreTrainedModel, parts: TargetParts) -> list[torch.nn.Module]:
+    """The modules of ``target`` that hold ``parts``."""
+    if parts.whole:
+        return [target]
+    decoder = target.get_decoder()
+    shared = [target.get_input_embeddings(), target.get_output_embeddings(), decoder.norm]
+    return shared + [decoder.layers[i] for i in parts.layers]
 
 
 def build_draft(cfg: DistillConfig, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device):

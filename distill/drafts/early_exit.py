@@ -28,7 +28,15 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from draftsmith.distill.drafts.kind import DecodeOption, DraftModel, DraftSettings, KindBase, Serving, layer_count
+from draftsmith.distill.drafts.kind import (
+    DecodeOption,
+    DraftModel,
+    DraftSettings,
+    KindBase,
+    Serving,
+    TargetParts,
+    layer_count,
+)
 from draftsmith.specdec.attention import use_exact_attention
 from draftsmith.specdec.cache import SlotCache, select_batch
 from draftsmith.specdec.clock import Clock
@@ -374,6 +382,11 @@ class EarlyExitKind(KindBase):
 
     def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:
         return torch.float32  # the shared layers train and decode with the teacher's own weights
+
+    def target_parts(self, settings: DraftSettings, target_layers: int) -> TargetParts:
+        """Its shared layers, the first k, and layer k, which its adapter starts as."""
+        k = layer_count(settings.layers, self.name)
+        return TargetParts(tuple(range(k + 1 if settings.options.get("adapter", True) else k)))
 
     def build(
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device

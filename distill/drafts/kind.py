@@ -74,6 +74,16 @@ class DraftSettings:
     loss: str = "tvd"
 
 
+@dataclass(frozen=True)
+class TargetParts:
+    """Which of the target's tensors a run reads when the target itself is not run (its teacher read
+    from a feature store): its token embeddings, final norm and LM head, and the decoder layers
+    ``layers`` (what the draft's initialisation copies or shares). ``whole``: all of it."""
+
+    layers: tuple[int, ...] = ()
+    whole: bool = False
+
+
 @dataclass
 class Batch:
     """A training micro-batch as a kind's training forward sees it.
@@ -154,6 +164,10 @@ class DraftKind(Protocol):
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
     ) -> torch.nn.Module:
         """The trainable draft, in training mode, only its trainable parameters requiring grad."""
+        ...
+
+    def target_parts(self, settings: DraftSettings, target_layers: int) -> TargetParts:
+        """The target tensors ``build`` reads (the target has ``target_layers`` decoder layers)."""
         ...
 
     def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
@@ -402,6 +416,10 @@ class KindBase:
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
     ) -> torch.nn.Module:
         raise NotImplementedError(f"the {self.name} kind does not build drafts")
+
+    def target_parts(self, settings: DraftSettings, target_layers: int) -> TargetParts:
+        """The embeddings, final norm and head, which most kinds copy (or apply to stored rows)."""
+        return TargetParts()
 
     def teacher_layers(self, draft: torch.nn.Module) -> tuple[int, ...]:
         return ()

@@ -24,7 +24,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.distill.drafts.kind import DraftSettings, KindBase, Serving
+from draftsmith.distill.drafts.kind import DraftSettings, KindBase, Serving, TargetParts
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import check_compatible, load_model, load_tokenizer
 
@@ -174,6 +174,12 @@ class LMKind(KindBase):
                 f"draft.model applies to draft.init pretrained; draft.init {settings.init} ignores it: leave it out"
             )
         super().check(settings)
+
+    def target_parts(self, settings: DraftSettings, target_layers: int) -> TargetParts:
+        """A truncated target copies its kept layers too; a new config or a pretrained draft none."""
+        if settings.init == "truncate":
+            return TargetParts(tuple(parse_layers(settings.layers, target_layers)))
+        return TargetParts()
 
     def build(
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device

@@ -82,6 +82,7 @@ from draftsmith.distill.drafts.kind import (
     KindBase,
     Predictions,
     Serving,
+    TargetParts,
     transformers_usage,
     vllm_usage,
 )
@@ -621,6 +622,9 @@ class ParallelKind(KindBase):
 
     def options(self, settings: DraftSettings) -> dict:
         return DEFAULTS | settings.options
+
+    def target_parts(self, settings: DraftSettings, target_layers: int) -> TargetParts:
+        return lm.KIND.target_parts(settings, target_layers)  # a standalone LM's
 
     def build(
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
