@@ -32,7 +32,7 @@ import json
 import math
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -305,6 +305,69 @@ def save(
         ids, logps = [by_digest[d][0] for d in chunk], [by_digest[d][1] for d in chunk]
         tokens += write_shard(folder, shard, chunk, ids, logps, chunk_hidden, hidden_dtype)
     write_meta(folder, len(digests), tokens, top_k, n_shards, made_by)
+    return folder
+
+
+SHARD_BYTES = 1 << 30  # a streamed shard's hidden states, at most about: what ``write_streamed`` holds in memory
+
+
+def stored_rows(folder: Path) -> tuple[set[bytes], int]:
+    """What a build killed midway left in ``folder``: (the content digests of the examples its shard files
+    hold, the first shard number none of them uses). Its hidden ``*.tmp`` leftovers are not shards."""
+    if not folder.is_dir():
+        return set(), 0
+    numbers = [path.name.removeprefix("shard-").removesuffix(".safetensors") for path in folder.glob("shard-*")]
+    return set(stored_digests(folder)), max((int(n) for n in numbers if n.isdigit()), default=-1) + 1
+
+
+def write_streamed(
+    folder: Path,
+    rows: Iterable[tuple[bytes, tuple[torch.Tensor, torch.Tensor], dict[int, torch.Tensor]]],
+    layers: Sequence[int],
+    hidden_dtype: torch.dtype = torch.bfloat16,
+    first_shard: int = 0,
+    shard_rows: int = 256,
+    shard_bytes: int = SHARD_BYTES,
+) -> int:
+    """Write rows computed elsewhere as they arrive (a serving engine's, in any order) into shards
+    ``first_shard``, ``first_shard + 1``, ...: per row its content digest, its top-k (ids (N, k),
+    log-probs (N, k)) and its {layer: (L, H)} states of ``layers``. A shard is written, atomically, once it
+    holds ``shard_rows`` rows or ``shard_bytes`` of states in ``hidden_dtype``, so memory holds one shard's
+    rows however many there are, and a build killed midway keeps every shard written (``stored_rows``).
+    ``finish_streamed`` then writes ``meta.json``. Returns the rows written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    item = torch.empty((), dtype=hidden_dtype).element_size()
+    shard, written = first_shard, 0
+    digests, ids, logps, hidden, size = [], [], [], {layer: [] for layer in layers}, 0
+    for digest, (row_ids, row_logps), states in rows:
+        digests.append(digest)
+        ids.append(row_ids)
+        logps.append(row_logps)
+        for layer in layers:
+            hidden[layer].append(states[layer].to(hidden_dtype))  # the storage dtype now: half a float32 row
+            size += states[layer].numel() * item
+        if len(digests) >= shard_rows or size >= shard_bytes:
+            write_shard(folder, shard, digests, ids, logps, hidden, hidden_dtype)
+            shard, written = shard + 1, written + len(digests)
+            digests, ids, logps, hidden, size = [], [], [], {layer: [] for layer in layers}, 0
+    if digests:
+        write_shard(folder, shard, digests, ids, logps, hidden, hidden_dtype)
+        written += len(digests)
+    return written
+
+
+def finish_streamed(folder: Path, examples: list[dict], top_k: int, made_by: dict | None = None) -> Path:
+    """Write ``meta.json`` over the shards ``write_streamed`` wrote for ``examples``, once every example is
+    in one of them (else refused: the store stays incomplete and the next build resumes it)."""
+    digests, unique = unique_examples(examples)
+    missing = len(set(digests) - set(stored_digests(folder)))
+    if missing:
+        raise DraftsmithError(
+            f"the teacher store {folder} lacks {missing} of its {len(digests)} examples; run the same command "
+            "again to compute them"
+        )
+    tokens = sum(sum(e["loss_mask"]) for e in unique)
+    write_meta(folder, len(digests), tokens, top_k, 0, made_by)  # write_meta counts the shard files itself
     return folder
 
 

@@ -15,11 +15,14 @@ import dataclasses
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import datasets
+import torch
 from accelerate import PartialState
+from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from draftsmith.distill import teacher_cache
 from draftsmith.distill.dataset_builder import (
@@ -32,7 +35,17 @@ from draftsmith.distill.dataset_builder import (
     training_examples,
 )
 from draftsmith.distill.dataset_cache import build_dataset_cache, engine_cache_writer, target_cache_writer
-from draftsmith.distill.engines import BundledEngine, GenerationEngine, VllmEngine, Writer, vllm_features
+from draftsmith.distill.engines import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    BundledEngine,
+    GenerationEngine,
+    VllmEngine,
+    Writer,
+    install_connector,
+    staging_bytes,
+    stream_features,
+)
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, source_settings
 from draftsmith.distill.self_prompts import TOPICS, SelfPromptSettings
@@ -49,6 +62,7 @@ from draftsmith.specdec.loading import (
     model_eos_token_ids,
     resolve_device,
     resolve_dtype,
+    resolve_model,
     vocab_size,
 )
 from draftsmith.specdec.sampling import SamplingParams
@@ -138,7 +152,12 @@ def parser() -> argparse.ArgumentParser:
         default=64,
         help="rows decoded together; with --engine vllm, requests in flight (default: 64)",
     )
-    p.add_argument("--shard-rows", type=int, default=256, help="rows per saved shard (default: 256)")
+    p.add_argument(
+        "--shard-rows",
+        type=int,
+        default=256,
+        help="rows per saved shard, of the rows and of a feature store (default: 256)",
+    )
     p.add_argument(
         "--teacher-cache",
         type=int,
@@ -297,6 +316,13 @@ def check_options(args: argparse.Namespace) -> None:
             raise DraftsmithError(
                 f"--store-dtype must be one of {', '.join(teacher_cache.STORAGE_DTYPES)}, got {args.store_dtype}"
             )
+        if args.engine == "vllm" and args.engine_url is not None:
+            raise DraftsmithError(
+                "--hidden-layers with --engine vllm needs a server draftsmith starts (with the extract_hidden_states "
+                "method and its connector), not the one at --engine-url; leave out --engine-url"
+            )
+        if args.engine == "vllm":
+            check_vllm_layers(args)
     check_engine_options(args)
     check_writable(Path(args.output), f"--output {args.output}", folder=True)
     if args.engine == "vllm" and args.engine_url is None:
@@ -311,42 +337,86 @@ def hidden_layers(args: argparse.Namespace) -> list[int]:
         raise DraftsmithError(f"--hidden-layers takes layer numbers like 2,15,27, got {args.hidden_layers!r}") from err
 
 
-def feature_store(
-    args: argparse.Namespace, engine: GenerationEngine, options: ServeOptions, dtype: str, output: Path, group
-) -> Path:
-    """The folder's feature store (``teacher_cache``'s format, ``teacher_cache.dataset_store``): the top-K
-    and the hidden states of --hidden-layers for its rows cut at --max-length, by the engine that wrote
-    them: draftsmith's target (each process its own shards) or a vLLM server started with
-    extract_hidden_states (``vllm_server.hidden_states_plan``)."""
+def check_vllm_layers(args: argparse.Namespace) -> None:
+    """Refuse --hidden-layers that vLLM's extract_hidden_states does not give as draftsmith stores them: it
+    gives the residual entering layers 0 to n - 1, and after the last layer the residual before the final
+    norm, where draftsmith's layer n is the normed output."""
+    count = AutoConfig.from_pretrained(resolve_model(args.target)).get_text_config().num_hidden_layers
+    outside = [layer for layer in hidden_layers(args) if not 0 <= layer < count]
+    if outside:
+        raise DraftsmithError(
+            f"--hidden-layers {','.join(map(str, outside))} with --engine vllm: vLLM gives the states entering "
+            f"layers 0 to {count - 1} of this target; its normed output (layer {count}) only --engine draftsmith stores"
+        )
+
+
+def store_plan(args: argparse.Namespace, dtype: str, output: Path) -> tuple[list[dict], Path, dict]:
+    """The folder's rows cut at --max-length, where their feature store goes
+    (``teacher_cache.dataset_store``), and what its ``meta.json`` says of how it was made."""
     examples = training_examples(output, args.max_length)
-    layers, store_dtype = hidden_layers(args), teacher_cache.STORAGE_DTYPES[args.store_dtype]
+    layers = hidden_layers(args)
     made_by = {"target": args.target, "target_key": teacher_cache.DATASET_TARGET, "dtype": dtype}
     made_by |= {"top_k": args.teacher_cache, "content": teacher_cache.content_digest(unique_examples(examples)[0])}
-    folder = teacher_cache.dataset_store(output, made_by["content"], args.teacher_cache, layers)
+    return examples, teacher_cache.dataset_store(output, made_by["content"], args.teacher_cache, layers), made_by
+
+
+def feature_store(args: argparse.Namespace, model, dtype: str, output: Path, group: ProcessGroup) -> Path:
+    """The folder's feature store (``teacher_cache``'s format): the top-K and the hidden states of
+    --hidden-layers for its rows cut at --max-length, by draftsmith's copy of the target (each process
+    its own shards)."""
+    examples, folder, _ = store_plan(args, dtype, output)
     if (folder / "meta.json").is_file():
         return folder
-    if engine.name == "draftsmith":
-        pad = engine.model.config.pad_token_id or 0
-        return teacher_cache.build(
-            engine.model, examples, folder, args.teacher_cache, args.batch_size, pad_id=pad,
-            progress=group.is_main and not args.no_progress, layers=layers, hidden_dtype=store_dtype,
-            part=(group.index, group.count), barrier=group.barrier, target_key=teacher_cache.DATASET_TARGET,
-        )  # fmt: skip
-    hidden_size = json.loads((Path(engine.server.settings["model"]) / "config.json").read_text())["hidden_size"]
-    teacher_cache.check_space(
-        folder, teacher_cache.store_bytes(examples, args.teacher_cache, layers, hidden_size, store_dtype)
-    )
+    pad = model.config.pad_token_id or 0
+    return teacher_cache.build(
+        model, examples, folder, args.teacher_cache, args.batch_size, args.shard_rows, pad_id=pad,
+        progress=group.is_main and not args.no_progress, layers=hidden_layers(args),
+        hidden_dtype=teacher_cache.STORAGE_DTYPES[args.store_dtype], part=(group.index, group.count),
+        barrier=group.barrier, target_key=teacher_cache.DATASET_TARGET,
+    )  # fmt: skip
+
+
+def vllm_feature_store(args: argparse.Namespace, options: ServeOptions, dtype: torch.dtype, output: Path) -> Path:
+    """The folder's feature store by a vLLM server of the target started for it (the only one running:
+    the answers' server has stopped), with the extract_hidden_states method and draftsmith's connector
+    (``vllm_server.hidden_states_plan``), written shard by shard as requests finish
+    (``teacher_cache.write_streamed``). The connector's files live in a hidden ``.vllm-states.tmp``
+    folder beside the store, at most one per request in flight, and go when the build ends, whether it
+    succeeds or fails; a build killed midway keeps its shards and the next run computes only the rest."""
+    examples, folder, made_by = store_plan(args, str(dtype).removeprefix("torch."), output)
+    if (folder / "meta.json").is_file():
+        return folder
+    layers, store_dtype = hidden_layers(args), teacher_cache.STORAGE_DTYPES[args.store_dtype]
+    staging = folder.parent / f".{folder.name}.vllm-states.tmp"
+    shutil.rmtree(staging, ignore_errors=True)  # a killed build's files: their rows are asked for again
+    stored, next_shard = teacher_cache.stored_rows(folder)
+    digests, unique = unique_examples(examples)
+    todo = [(digest, example) for digest, example in zip(digests, unique, strict=True) if digest not in stored]
+    hidden_size = AutoConfig.from_pretrained(resolve_model(args.target)).get_text_config().hidden_size
+    needed = teacher_cache.store_bytes([e for _, e in todo], args.teacher_cache, layers, hidden_size, store_dtype)
+    needed += staging_bytes([e for _, e in todo], layers, hidden_size, dtype, args.batch_size)
+    teacher_cache.check_space(folder, needed)
     made_by |= {"layers": layers, "hidden_dtype": args.store_dtype, "hidden_size": hidden_size}
-    storage = folder.parent / f"{folder.name}.vllm-states"
-    speculative, kv_transfer = hidden_states_plan(layers, storage)
-    options = dataclasses.replace(options, kv_transfer=kv_transfer, prefix_caching=False)
-    with serve(args.target, options, speculative=speculative, gamma=1) as server:
-        entries, hidden = vllm_features(server, examples, storage, args.teacher_cache, layers, args.batch_size)
-    teacher_cache.save(
-        folder, examples, entries, args.teacher_cache, hidden=hidden, hidden_dtype=store_dtype, made_by=made_by
-    )
-    shutil.rmtree(storage)
-    return folder
+    if todo:
+        try:
+            python = install_connector(staging / "python")
+            speculative, kv_transfer = hidden_states_plan(
+                layers, staging / "states", (CONNECTOR_CLASS, CONNECTOR_MODULE)
+            )
+            options = dataclasses.replace(
+                options, kv_transfer=kv_transfer, prefix_caching=False, python_path=(str(python),)
+            )
+            requests = ([e for _, e in todo], staging / "states", args.teacher_cache, layers, args.batch_size)
+            with (
+                serve(args.target, options, speculative=speculative, gamma=1) as server,
+                closing(stream_features(server, *requests)) as found,  # an error ends the requests in flight
+            ):
+                rows = ((todo[i][0], entry, hidden) for i, entry, hidden in found)
+                rows = tqdm(rows, total=len(todo), desc="feature store", unit="row", disable=args.no_progress)
+                teacher_cache.write_streamed(folder, rows, layers, store_dtype, next_shard, args.shard_rows)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return teacher_cache.finish_streamed(folder, examples, args.teacher_cache, made_by)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,8 +463,10 @@ def main(argv: list[str] | None = None) -> int:
             description = {"target": args.target, "dtype": settings.dtype, "computed_by": engine.name}
             writer = cache_writer(args, engine, tokenizer)
             manifest = build_dataset_cache(output, args.teacher_cache, writer, description, group)
-        if args.hidden_layers is not None:
-            store = feature_store(args, engine, serve_options(args, device, dtype), settings.dtype, output, group)
+        if args.hidden_layers is not None and args.engine == "draftsmith":
+            store = feature_store(args, engine.model, settings.dtype, output, group)
+    if args.hidden_layers is not None and args.engine == "vllm":  # its own server, once the answers' has stopped
+        store = vllm_feature_store(args, serve_options(args, device, dtype), dtype, output)
     if group.is_main:
         counts = manifest["counts"]
         print(

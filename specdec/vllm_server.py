@@ -22,17 +22,19 @@ Usage reporting is switched off and vLLM's internal addresses stay on the loopba
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,6 +218,7 @@ class ServeOptions:
     startup_timeout: seconds the server has to answer ``/health``.
     tensor_parallel_size, data_parallel_size: GPUs the model is split over, and copies of it serving.
     kv_transfer: vLLM's ``--kv-transfer-config`` (e.g. the connector that writes hidden states to disk).
+    python_path: folders put first on the server's PYTHONPATH (where a connector of ``kv_transfer`` is imported from).
     """
 
     dtype: str | None = "auto"
@@ -233,23 +236,27 @@ class ServeOptions:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     kv_transfer: dict | None = None
+    python_path: tuple[str, ...] = ()
 
 
-def hidden_states_plan(layers: list[int], storage: Path) -> tuple[dict, dict]:
+def hidden_states_plan(layers: list[int], storage: Path, connector: tuple[str, str] | None = None) -> tuple[dict, dict]:
     """(speculative config, kv-transfer config) of a server that writes, for every request, the hidden
     states entering target ``layers`` at each prompt position into ``storage`` (a safetensors file per
     request: ``hidden_states`` (L, len(layers), H) and ``token_ids`` (L,)): vLLM's
-    ``extract_hidden_states`` method with its ``ExampleHiddenStatesConnector``. vLLM numbers an aux
-    layer as the residual entering it, as ``teacher_layers`` does (``output_hidden_states[i]``)."""
+    ``extract_hidden_states`` method with a connector that saves them. vLLM numbers an aux layer as the
+    residual entering it, as ``teacher_layers`` does (``output_hidden_states[i]``).
+
+    connector: (class, module) of a connector the server imports by module path (its folder on
+    ``ServeOptions.python_path``), e.g. draftsmith's ``DraftsmithHiddenStatesConnector``; None: vLLM's own
+    ``ExampleHiddenStatesConnector``, which names files by request id and runs on GPUs only."""
     speculative = {
         "method": "extract_hidden_states",
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": sorted(layers)}},
     }
-    kv_transfer = {
-        "kv_connector": "ExampleHiddenStatesConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-    }
+    kv_transfer = {"kv_connector": "ExampleHiddenStatesConnector"}
+    if connector is not None:
+        kv_transfer = {"kv_connector": connector[0], "kv_connector_module_path": connector[1]}
+    kv_transfer |= {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
     return speculative, kv_transfer
 
 
@@ -436,6 +443,8 @@ def server_plan(
         speculative = {**speculative, "model": resolve_model(speculative["model"])}
     port = free_port() if options.port is None else check_port_free(options.port)
     env = server_environment(engine, device_type, options.threads, options.kv_cache_gib)
+    if options.python_path:  # before the caller's own entries, which the server inherits as well
+        env["PYTHONPATH"] = os.pathsep.join([*options.python_path, *filter(None, [os.environ.get("PYTHONPATH")])])
     whole_prefills = device_type == "cpu"  # see server_arguments
     args = server_arguments(model_path, port, dtype_name, options, speculative, gamma, whole_prefills)
     settings = {
@@ -465,6 +474,8 @@ def launch(engine: Engine, args: list[str], env: dict[str, str], log_path: Path)
 
     It leads a new session, so its process group holds the engine's worker processes too (``stop``),
     and a Ctrl-C in the terminal reaches only this process, whose ``finally`` then stops the server.
+    On Linux it also gets SIGTERM when this process dies without a ``finally`` (``kill -9``), and shuts
+    its engine down: a killed command leaves no server holding memory or GPUs for the next run.
     """
     with open(log_path, "wb") as log:
         return subprocess.Popen(
@@ -474,4 +485,22 @@ def launch(engine: Engine, args: list[str], env: dict[str, str], log_path: Path)
             stderr=subprocess.STDOUT,
             env={**os.environ, **env},
             start_new_session=True,
+            preexec_fn=terminate_with(os.getpid()) if sys.platform == "linux" else None,
         )
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process receives when the thread that started it ends
+
+
+def terminate_with(parent: int) -> Callable[[], None]:
+    """For ``Popen``'s ``preexec_fn`` (Linux): the child receives SIGTERM when ``parent`` dies, even by
+    SIGKILL. The setting outlives ``exec``. ``serve`` starts and stops the server in one thread, the one
+    the signal is tied to."""
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls it
+
+    def arm() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm

@@ -6,23 +6,45 @@ where ``make vllm`` has not installed the engine.
 """
 
 import json
+import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftsmith import data
 from draftsmith.cli import main
 from draftsmith.distill.dataset_builder import load_built, read_self_prompts, shard_paths, training_examples
 from draftsmith.distill.dataset_cache import dataset_entries
-from draftsmith.distill.engines import read_hidden_states, vllm_features
+from draftsmith.distill.engines import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    install_connector,
+    prompt_file_name,
+    take_hidden_states,
+)
+from draftsmith.distill.teacher_cache import Store
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
 from draftsmith.specdec.prompts import encode_chat
-from draftsmith.specdec.vllm_server import HOST, ServeOptions, hidden_states_plan, serve, server_arguments
+from draftsmith.specdec.vllm_server import (
+    HOST,
+    Engine,
+    ServeOptions,
+    hidden_states_plan,
+    serve,
+    server_arguments,
+    server_plan,
+)
 from tests.helpers import child_env
 from tests.scripts.test_data_cli import KILLED_RUN
 
@@ -40,7 +62,9 @@ def server(engine, tmp_path_factory):
         yield running
 
 
-def builtin_args(output, *extra, prompts=5, temperature=0.0, max_new_tokens=24, batch_size=8) -> list[str]:
+def builtin_args(
+    output, *extra, prompts=5, temperature=0.0, max_new_tokens=24, batch_size=8, shard_rows=2
+) -> list[str]:
     return [
         "data",
         "--prompts",
@@ -56,7 +80,7 @@ def builtin_args(output, *extra, prompts=5, temperature=0.0, max_new_tokens=24, 
         "--batch-size",
         str(batch_size),
         "--shard-rows",
-        "2",
+        str(shard_rows),
         "--no-progress",
         "--output",
         str(output),
@@ -145,7 +169,7 @@ def self_args(server, output, num_prompts) -> list[str]:
         "--dtype",
         "float32",
         "--shard-rows",
-        "2",
+        str(shard_rows),
         "--no-progress",
         "--output",
         str(output),
@@ -205,11 +229,12 @@ def test_the_command_starts_its_own_server_and_stops_it(engine, tmp_path):
     assert manifest["counts"]["rows"] == 2
 
 
-# ---- the target's hidden states through vLLM's extract_hidden_states ------------------------------
+# ---- the feature store through vLLM's extract_hidden_states and draftsmith's connector ------------
 
 
-def test_the_hidden_states_server_is_started_with_the_method_the_connector_and_the_parallel_sizes(tmp_path):
-    speculative, kv_transfer = hidden_states_plan([15, 2, 27], tmp_path / "states")
+def test_the_hidden_states_server_is_started_with_the_method_our_connector_and_the_parallel_sizes(tmp_path):
+    plan = hidden_states_plan([15, 2, 27], tmp_path / "states", (CONNECTOR_CLASS, CONNECTOR_MODULE))
+    speculative, kv_transfer = plan
     options = ServeOptions(tensor_parallel_size=8, data_parallel_size=2, kv_transfer=kv_transfer)
     args = server_arguments("/models/t", 8000, "bfloat16", options, speculative, gamma=1)
     flag = {name: args[i + 1] for i, name in enumerate(args) if name.startswith("--") and i + 1 < len(args)}
@@ -220,67 +245,235 @@ def test_the_hidden_states_server_is_started_with_the_method_the_connector_and_t
         "num_speculative_tokens": 1,  # the method proposes exactly one
     }
     assert json.loads(flag["--kv-transfer-config"]) == {
-        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_connector": "DraftsmithHiddenStatesConnector",
+        "kv_connector_module_path": "draftsmith_vllm_connector",  # imported from the server's PYTHONPATH
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "states")},
     }
+    assert hidden_states_plan([2], tmp_path)[1]["kv_connector"] == "ExampleHiddenStatesConnector"  # vLLM's own
     plain = server_arguments("/models/t", 8000, "bfloat16", ServeOptions(), None)
     assert not {"--tensor-parallel-size", "--data-parallel-size", "--kv-transfer-config"} & set(plain)
 
 
-def test_the_connector_files_are_read_back_per_example_by_their_token_ids(tmp_path):
+def test_the_connector_folder_goes_first_on_the_servers_pythonpath(tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    LlamaConfig(num_hidden_layers=1, max_position_embeddings=64).save_pretrained(model)
+    engine = Engine(command=("python", "-m", "vllm"), prefix=tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "/theirs")
+    options = ServeOptions(device="cpu", dtype="float32", threads=1, python_path=(str(tmp_path / "python"),))
+    _, env, settings = server_plan(str(model), options, None, 1, engine)
+    assert env["PYTHONPATH"] == os.pathsep.join([str(tmp_path / "python"), "/theirs"])
+    assert settings["environment"]["PYTHONPATH"] == env["PYTHONPATH"]  # recorded with the server's settings
+    _, env, _ = server_plan(str(model), ServeOptions(device="cpu", dtype="float32", threads=1), None, 1, engine)
+    assert "PYTHONPATH" not in env  # the caller's own, inherited unchanged
+
+
+def test_the_vllm_environment_imports_the_connector_and_names_files_as_draftsmith_does(engine, tmp_path):
+    folder = install_connector(tmp_path / "python")
+    assert sorted(p.name for p in folder.iterdir()) == ["draftsmith_vllm_connector.py"]  # nothing else of ours
+    probe = (
+        "import draftsmith_vllm_connector as c\n"
+        "from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import "
+        "ExampleHiddenStatesConnector as E\n"
+        "assert issubclass(c.DraftsmithHiddenStatesConnector, E)\n"
+        "print(c.prompt_file_name([5, 6, 7]), c.prompt_file_name([]))"
+    )
+    python = engine.prefix / "bin" / "python"
+    done = subprocess.run(
+        [str(python), "-c", probe], env=os.environ | {"PYTHONPATH": str(folder)}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [prompt_file_name([5, 6, 7]), prompt_file_name([])]
+
+
+def write_connector_file(storage, token_ids, states):
+    """A file as the connector writes it: (L, layers, H) states and the prompt's ids, beside its released lock."""
+    path = storage / prompt_file_name(token_ids)
+    save_file({"hidden_states": states, "token_ids": torch.tensor(token_ids)}, path)
+    path.with_name(path.name + ".lock").touch()
+    return path
+
+
+def test_a_prompts_connector_file_is_read_once_and_removed(tmp_path):
     storage = tmp_path / "states"
     storage.mkdir()
-    examples = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [9, 8], "loss_mask": [0, 1]}]
-    written = {}
-    for request, example in zip(["cmpl-b", "cmpl-a"], examples, strict=True):  # the request ids, not the order
-        states = torch.randn(len(example["input_ids"]), 3, 4)  # (L, aux layers, H), as the connector writes
-        save_file(
-            {"hidden_states": states, "token_ids": torch.tensor(example["input_ids"])},
-            storage / f"{request}.safetensors",
-        )
-        (storage / f"{request}.safetensors.lock").touch()  # released: the write is whole
-        written[tuple(example["input_ids"])] = states
-    found = read_hidden_states(storage, examples[::-1], [27, 2, 15])
-    for example, states in zip(examples[::-1], found, strict=True):
-        expected = written[tuple(example["input_ids"])]
-        assert sorted(states) == [2, 15, 27]
-        for i, layer in enumerate([2, 15, 27]):  # the server's aux layers in sorted order
-            assert torch.equal(states[layer], expected[:, i])
-    with pytest.raises(DraftsmithError, match="wrote no hidden states for 1 of 2 rows"):
-        read_hidden_states(storage, [examples[0], {"input_ids": [1], "loss_mask": [1]}], [2, 15, 27])
-    with pytest.raises(
-        DraftsmithError,
-        match=r"cmpl-a.safetensors: hidden_states of shape \(2, 3, 4\) for 2 tokens and layers \[2, 15\]",
-    ):
-        read_hidden_states(storage, examples, [2, 15])
+    states = torch.randn(3, 3, 4)  # (L, aux layers, H)
+    path = write_connector_file(storage, [5, 6, 7], states)
+    found = take_hidden_states(storage, [5, 6, 7], [27, 2, 15])
+    assert sorted(found) == [2, 15, 27]
+    for i, layer in enumerate([2, 15, 27]):  # the server's aux layers in sorted order
+        assert torch.equal(found[layer], states[:, i])
+    assert list(storage.iterdir()) == []  # the file and its lock are gone
+    with pytest.raises(DraftsmithError, match=f"wrote no hidden states into {path}"):
+        take_hidden_states(storage, [5, 6, 7], [2, 15, 27])
+    other = write_connector_file(storage, [9, 8], torch.randn(2, 3, 4))
+    other.rename(path)  # a prompt's name over another prompt's states
+    with pytest.raises(DraftsmithError, match="holds the states of another prompt"):
+        take_hidden_states(storage, [5, 6, 7], [2, 15, 27])
+    write_connector_file(storage, [9, 8], torch.randn(2, 3, 4))
+    with pytest.raises(DraftsmithError, match=r"hidden_states of shape \(2, 3, 4\) for 2 tokens and layers \[2, 15\]"):
+        take_hidden_states(storage, [9, 8], [2, 15])
 
 
-CPU_LIMIT = "pin_memory=True requires a CUDA or other accelerator backend"  # the connector's copy, on vLLM's CPU build
+def test_hidden_layers_vllm_cannot_give_are_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "d"
+    store = ["--teacher-cache", "4", "--hidden-layers", "2,15"]
+    assert main(builtin_args(out, "--engine", "vllm", "--engine-url", f"http://{HOST}:9", *store)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "--hidden-layers with --engine vllm needs a server draftsmith starts" in err
+    assert main(builtin_args(out, "--engine", "vllm", "--teacher-cache", "4", "--hidden-layers", "2,30,31")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err]
+    assert "--hidden-layers 30,31 with --engine vllm: vLLM gives the states entering layers 0 to 29" in err
+    assert not out.exists()  # nothing was answered, cached or started
 
 
-def test_the_vllm_feature_store_matches_the_bundled_targets_states(engine, tmp_path):
-    """The hidden states vLLM writes (TP 1) are the bundled target's within bfloat16 rounding. vLLM 0.32's
-    ExampleHiddenStatesConnector copies through pinned memory and a CUDA stream: on its CPU build the
-    engine dies at the first request, and the test skips with that error (gpu_check.sh runs it on a GPU)."""
+BF16 = 1.6e-2  # torch's bfloat16 tolerance: both stores round float32 states to bfloat16 once
+LOGP = 2e-2  # log-probs of two engines in float32, stored in float16
+
+
+def feature_store_of(folder: Path) -> Store:
+    """A dataset folder's one feature store (nothing else is left in feature-store/: no connector files)."""
+    (store,) = (folder / "feature-store").iterdir()
+    return Store(store)
+
+
+def assert_same_features(theirs: Store, ours: Store, layers: list[int]) -> None:
+    """vLLM's store holds draftsmith's features of the same rows: every hidden state within bfloat16
+    tolerance, the top-1 token wherever draftsmith's margin over the second exceeds the log-probs' tolerance."""
+    assert theirs.meta["content"] == ours.meta["content"]  # the same rows: vLLM's greedy answers are draftsmith's
+    for key in ("examples", "tokens", "top_k", "layers", "hidden_size", "hidden_dtype"):
+        assert theirs.meta[key] == ours.meta[key], key
+    clear_rows = 0
+    for digest, (ids, logps) in ours.entries.items():
+        their_ids, their_logps = theirs.entries[digest]
+        length = ours.where[digest][2]
+        assert theirs.where[digest][2] == length
+        mine = ours.hidden([digest], layers, length, torch.float32, torch.device("cpu"))  # (1, L, H) per layer
+        got = theirs.hidden([digest], layers, length, torch.float32, torch.device("cpu"))
+        for layer in layers:
+            torch.testing.assert_close(got[layer], mine[layer], rtol=BF16, atol=BF16)
+        clear = logps[:, 0] - logps[:, 1] > LOGP
+        assert torch.equal(their_ids[clear, 0], ids[clear, 0])
+        torch.testing.assert_close(their_logps[:, 0], logps[:, 0], rtol=0, atol=LOGP)
+        clear_rows += int(clear.sum())
+    assert clear_rows >= theirs.meta["tokens"] // 2  # the top-1 comparison covers most positions
+
+
+def store_args(out, *extra, layers="0,2,15,27") -> list[str]:
+    """Three greedy rows, one per shard, their top 4 and the states entering ``layers``."""
+    store = ["--teacher-cache", "4", "--hidden-layers", layers, "--max-length", "64"]
+    return builtin_args(out, *store, *extra, prompts=3, max_new_tokens=16, shard_rows=1)
+
+
+VLLM_ENGINE = ["--engine", "vllm", "--engine-eager", "--engine-threads", "1"]
+
+
+def test_the_vllm_feature_store_is_draftsmiths_own_build_of_the_same_rows(engine, tmp_path):
+    theirs, ours = tmp_path / "vllm", tmp_path / "ours"
+    assert main(store_args(theirs, *VLLM_ENGINE)) == 0
+    assert main(store_args(ours)) == 0
+    store = feature_store_of(theirs)
+    assert len(store.meta["files"]) == 3 and store.meta["examples"] == 3  # one row per shard (--shard-rows)
+    assert (store.meta["layers"], store.meta["hidden_size"], store.meta["dtype"]) == ([0, 2, 15, 27], 576, "float32")
+    assert_same_features(store, feature_store_of(ours), [0, 2, 15, 27])
+
+
+@pytest.fixture(scope="module")
+def even_heads_target(tmp_path_factory):
+    """A random Llama whose 4 heads and 2 KV heads split over 2 processes (the default target's 9 heads do
+    not), with the default target's tokenizer and chat template; its head is scaled so that its
+    distributions are peaked, like a trained model's, and greedy answers do not hang on near ties."""
     tokenizer = load_tokenizer(DEFAULT_TARGET)
-    ids = tokenizer("Why is the sky blue? Because air scatters blue light most.")["input_ids"]
-    examples = [{"input_ids": ids, "loss_mask": [0] * (len(ids) - 5) + [1] * 4 + [0]}]
-    layers, storage, log = [2, 15, 27], tmp_path / "states", tmp_path / "server.log"
-    speculative, kv_transfer = hidden_states_plan(layers, storage)
-    options = ServeOptions(dtype="float32", eager=True, threads=1, kv_transfer=kv_transfer, max_logprobs=4)
-    try:
-        with serve(DEFAULT_TARGET, options, speculative=speculative, gamma=1, engine=engine, log_path=log) as server:
-            entries, hidden = vllm_features(server, examples, storage, 4, layers)
-    except Exception:
-        failed = [line for line in log.read_text().splitlines() if CPU_LIMIT in line] if log.is_file() else []
-        if failed:
-            pytest.skip(f"vLLM's CPU build cannot extract hidden states: {failed[-1].split('] ', 1)[-1]}")
-        raise
-    target = load_model(DEFAULT_TARGET, torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=EOS, pad_token_id=EOS,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    for layer in layers:
-        torch.testing.assert_close(hidden[0][layer].float(), out.hidden_states[layer][0], rtol=2e-2, atol=2e-2)
-    top = torch.log_softmax(out.logits[0].float(), -1).topk(4)
-    assert torch.equal(entries[0][0], top.indices[len(ids) - 5 : len(ids) - 1])
+        model.lm_head.weight.mul_(30.0)
+    folder = tmp_path_factory.mktemp("even-heads")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+KILLED_STORE_RUN = """
+import os, signal, sys
+from draftsmith.distill import teacher_cache
+real_write = teacher_cache.write_shard
+def write_then_die(folder, *args, **kwargs):
+    written = real_write(folder, *args, **kwargs)
+    if folder.parent.name == "feature-store":  # the first shard of the feature store, not of the top-k cache
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written
+teacher_cache.write_shard = write_then_die
+from draftsmith import data
+from draftsmith.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def processes_naming(text: str) -> list[str]:
+    """The command lines of running processes that contain ``text``."""
+    return subprocess.run(["pgrep", "-af", text], capture_output=True, text=True, check=False).stdout.splitlines()
+
+
+def test_a_tensor_parallel_feature_build_killed_midway_resumes_to_draftsmiths_store(
+    engine, even_heads_target, tmp_path
+):
+    theirs, ours = tmp_path / "vllm", tmp_path / "ours"
+    layers = "0,1,2,3"
+    command = store_args(
+        theirs, *VLLM_ENGINE, "--tensor-parallel-size", "2", "--target", str(even_heads_target), layers=layers
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_STORE_RUN, *command],
+        cwd=ROOT,
+        env=child_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    (folder,) = (theirs / "feature-store").glob("k4-*")
+    (staging,) = (theirs / "feature-store").glob(".*.vllm-states.tmp")  # the killed build's connector files
+    assert sorted(p.name for p in folder.iterdir()) == ["shard-00000.safetensors"]  # no meta.json: incomplete
+    kept = (folder / "shard-00000.safetensors").stat()
+    deadline = time.monotonic() + 120
+    while processes_naming(str(staging)) and time.monotonic() < deadline:
+        time.sleep(1)  # the killed command's server got SIGTERM and shuts its workers down
+    assert processes_naming(str(staging)) == []
+
+    assert main(command) == 0  # the same command resumes
+    assert not staging.exists()
+    store = feature_store_of(theirs)
+    assert store.meta["files"] == [f"shard-0000{i}.safetensors" for i in range(3)]  # the kept shard and two more
+    again = (folder / "shard-00000.safetensors").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)  # not written again
+    assert main(store_args(ours, "--target", str(even_heads_target), layers=layers)) == 0
+    assert_same_features(store, feature_store_of(ours), [0, 1, 2, 3])
+
+
+def test_a_failed_feature_build_removes_its_connector_files(even_heads_target, tmp_path, monkeypatch):
+    out = tmp_path / "d"
+    assert main(store_args(out, "--target", str(even_heads_target), layers="1,2")) == 0  # the rows, by draftsmith
+    shutil.rmtree(out / "feature-store")
+    seen = []
+
+    @contextmanager
+    def dying_server(model, options, **kwargs):
+        staging = Path(options.python_path[0]).parent
+        seen.append(sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*")))
+        raise DraftsmithError("the vLLM server exited with status 1 before it was ready")
+        yield
+
+    monkeypatch.setattr(data, "serve", dying_server)
+    args = data.parser().parse_args(store_args(out, *VLLM_ENGINE, "--target", str(even_heads_target), layers="1,2")[1:])
+    options = data.serve_options(args, torch.device("cpu"), torch.float32)
+    with pytest.raises(DraftsmithError, match="exited with status 1"):
+        data.vllm_feature_store(args, options, torch.float32, out)
+    assert seen == [["python", "python/draftsmith_vllm_connector.py"]]  # the connector, installed for the server
+    assert list((out / "feature-store").iterdir()) == []  # its folder is gone, and no store was begun
