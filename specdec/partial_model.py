@@ -148,7 +148,7 @@ class PartialModel:
 
     def __init__(self, model: PreTrainedModel, files: CheckpointFiles, device: torch.device):
         self.model, self.files, self.device = model, files, device
-        self.hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.hooks: dict[nn.Module, torch.utils.hooks.RemovableHandle] = {}
         self.arm()
         PARTIAL[model] = self
 
@@ -189,20 +189,21 @@ class PartialModel:
             param = nn.Parameter(tensors[name], requires_grad=False)
             for module, attribute, _ in sites[key]:
                 module._parameters[attribute] = param  # every site of a tied parameter gets the same one
-        if is_loaded(self.model):
-            self.disarm()
+        self.disarm()
 
     def arm(self) -> None:
         """A forward pre-hook on each module that holds a parameter without weights: the body loads first."""
         for module in self.model.modules():
             if any(p.is_meta for p in module.parameters(recurse=False)):
-                self.hooks.append(module.register_forward_pre_hook(self.before_forward))
+                self.hooks[module] = module.register_forward_pre_hook(self.before_forward)
 
     def disarm(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
-        PARTIAL.pop(self.model, None)
+        """Remove the hooks of the modules that hold all their weights now (a module copied later, say
+        into a draft, carries no hook), and forget the model once it is whole."""
+        for module in [m for m in self.hooks if not any(p.is_meta for p in m.parameters(recurse=False))]:
+            self.hooks.pop(module).remove()
+        if is_loaded(self.model):
+            PARTIAL.pop(self.model, None)
 
     def before_forward(self, module: nn.Module, args) -> None:
         if not is_loaded(self.model):

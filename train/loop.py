@@ -408,7 +408,8 @@ def describe(accelerator: Accelerator, draft, target, n_examples: int, head_ids:
         return
     total, loaded = count_loaded(target)
     if loaded == total:
-        cost_ratio = measure_cost_ratio(target, decoding_draft(in_dtype_of(draft, target), head_ids))
+        with torch.random.fork_rng(devices=[]):  # training draws the same numbers whether c is timed or not
+            cost_ratio = measure_cost_ratio(target, decoding_draft(in_dtype_of(draft, target), head_ids))
         cost = f"measured cost ratio c = {cost_ratio:.3f} (draft step / target step)"
     else:
         cost = f"{loaded / 1e6:.2f} M of its tensors loaded (what the draft reads; the rest loads if it runs)"

@@ -108,6 +108,14 @@ def test_every_kind_in_two_processes_matches_one(launched, tmp_path, monkeypatch
     summaries = [json.loads((run / "train_summary.json").read_text()) for run in (two / "run", one.run_dir)]
     # live: a target forward per micro-batch, 2 steps x 2 (processes or accumulated micro-batches)
     assert [s["teacher_forwards"] for s in summaries] == ([4, 4] if teacher == "live" else [0, 0])
+    # A live teacher is sharded over the two processes (FSDP2), each holding half of it, with the
+    # losses of one process holding it whole (above, within 1e-4); early exit shares the target's
+    # layers with its draft, so its teacher stays whole. A store-fed teacher is not run.
+    total, sharded = summaries[0]["target_parameters"], teacher == "live" and kind != "early_exit"
+    assert summaries[0]["teacher_sharded"] is sharded and summaries[1]["teacher_sharded"] is False
+    held = summaries[0]["target_parameters_loaded"]
+    assert len(held) == 2 and all(n <= 0.6 * total if sharded else n == total for n in held)
+    assert summaries[1]["target_parameters_loaded"] == [total]
     if teacher == "store":  # the two processes built it, each its own shard; the one process read it
         store = Path(summaries[0]["store"])
         assert summaries[1]["store"] == str(store) and len(json.loads((store / "meta.json").read_text())["files"]) == 2
