@@ -177,7 +177,8 @@ def parser() -> argparse.ArgumentParser:
         help="with --teacher-cache K: also write a feature store (feature-store/ in the folder) holding the target's "
         "hidden states entering these layers at every position, for kinds that read them (EAGLE-3's aux layers; "
         "the layer count itself: its output), so `distill data.dataset=FOLDER teacher.cache=true` runs no target. "
-        "--engine vllm computes them with vLLM's extract_hidden_states method (default: none)",
+        "--engine vllm computes them with vLLM's extract_hidden_states method, in a server it starts once the "
+        "answers' server has stopped (not the one at --engine-url), layers 0 to n-1 (default: none)",
     )
     p.add_argument("--max-length", type=int, default=256, help="--hidden-layers: rows cut as distill cuts them")
     p.add_argument("--store-dtype", default="bfloat16", help="--hidden-layers: storage dtype (default: bfloat16)")

@@ -1,7 +1,10 @@
 """``draftsmith data --engine vllm``: the dataset written through a real vLLM server on the CPU.
 
 One server of the default target (float32, eager, one thread) serves the module through
-``--engine-url``; one more test lets the command start (and stop) its own. All skip, with the reason,
+``--engine-url``; one more test lets the command start (and stop) its own. The feature-store tests let
+the command start both of its servers (the answers', then the hidden states') and compare the store
+with draftsmith's own build of the same rows, at tensor parallelism 1 and 2 (the second on a random
+model with 4 heads: the default target's 9 do not split over 2 processes). All skip, with the reason,
 where ``make vllm`` has not installed the engine.
 """
 
@@ -169,7 +172,7 @@ def self_args(server, output, num_prompts) -> list[str]:
         "--dtype",
         "float32",
         "--shard-rows",
-        str(shard_rows),
+        "2",
         "--no-progress",
         "--output",
         str(output),
