@@ -117,8 +117,11 @@ if (( gpus >= 2 )); then
         train_kinds "$launch" "$PYTHON" -m accelerate.commands.launch --config_file "configs/accelerate/$launch.yaml" --num_processes 2
     done
 else
-    echo "== every kind for a few bfloat16 steps on 1 GPU, live and from the feature store (limit ${KINDS_S} s; DDP/FSDP need 2 GPUs)"
+    echo "== every kind for a few bfloat16 steps on 1 GPU, plain and under the FSDP config, live and from the feature store (limit ${KINDS_S} s each; DDP needs 2 GPUs)"
     train_kinds 1gpu "$PYTHON"
+    # accelerate shards with FSDP only on accelerators (on CPUs its FSDP settings give DDP), so the FSDP
+    # config's path for each kind (parameters taken after prepare, sharded checkpoints) is run here
+    train_kinds fsdp1 "$PYTHON" -m accelerate.commands.launch --config_file configs/accelerate/fsdp.yaml --num_processes 1
 fi
 
 echo "== the feature store built by vLLM (extract_hidden_states) beside the bundled target's"

@@ -69,13 +69,18 @@ class RowsHead(nn.Module):
     """A bias-free linear head at chosen rows and columns: hidden (B, T, H) -> logits (M, N).
 
     rows (M,): flat indices into B x T (None: every position, (B, T, N)); ids (N,): the kept columns
-    (None: all V). Holds the full layer's own weight (the same Parameter, so a tied or frozen head
-    stays so, and a trained one receives gradients in the kept rows only)."""
+    (None: all V). Reads the full layer's own weight when it runs (the same Parameter, so a tied or
+    frozen head stays so, and a trained one receives gradients in the kept rows only; under FSDP, the
+    whole weight its forward gathered, not the shard it held when the head was swapped)."""
 
     def __init__(self, full: nn.Linear, rows: torch.Tensor | None, ids: torch.Tensor | None):
         super().__init__()
-        self.weight = full.weight  # (V, H)
+        object.__setattr__(self, "full", full)  # not a submodule: its parameter stays registered where it is
         self.rows, self.ids = rows, ids
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.full.weight  # (V, H)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.rows is not None:

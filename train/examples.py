@@ -297,18 +297,31 @@ class StoreTeacher(Teacher):
         return TeacherRows(log_probs, hidden, argmax)
 
 
+# rows a filling teacher holds before it writes them to a shard: its memory does not grow with the data
+FILL_SHARD_ROWS = 256
+
+
 class FillingTeacher(Teacher):
     """The live teacher for the first epoch, which writes what it computed into the store (each process
-    its own shard); from the second epoch the store is read (``epoch_end``)."""
+    its own shards, every ``FILL_SHARD_ROWS`` rows); from the second epoch the store is read (``epoch_end``)."""
 
     source = "filled"
 
     def __init__(
-        self, target, settings: TeacherSettings, folder: Path, examples: list[dict], cfg: DistillConfig, pad: int
+        self,
+        target,
+        settings: TeacherSettings,
+        folder: Path,
+        examples: list[dict],
+        cfg: DistillConfig,
+        pad: int,
+        rank: int = 0,
     ):
         super().__init__(target, settings)
-        self.store, self.examples, self.cfg, self.pad = folder, examples, cfg, pad
+        self.store, self.examples, self.cfg, self.pad, self.rank = folder, examples, cfg, pad, rank
         self.seen: dict[bytes, tuple] = {}  # digest -> (ids (N, k), log-probs (N, k), {layer: (L, H)})
+        # this process's shards of the first epoch so far (a resumed run goes on numbering after them)
+        self.written = len(list(folder.glob(f"shard-r{rank:03d}-[0-9]*.safetensors")))
         self.reading: StoreTeacher | None = None
         for i, example in enumerate(examples):
             example["index"] = i
@@ -330,7 +343,23 @@ class FillingTeacher(Teacher):
             start = sum(counts[:row])
             entry = (ids[start : start + counts[row]], logps[start : start + counts[row]], hidden)
             self.seen[teacher_cache.example_digest(self.examples[i])] = entry
+        if len(self.seen) >= FILL_SHARD_ROWS:
+            self.flush()
         return teacher
+
+    def flush(self) -> None:
+        """Write the rows seen since the last shard into this process's next shard, and forget them."""
+        if not self.seen:
+            return
+        digests, dtype = list(self.seen), teacher_cache.STORAGE_DTYPES[self.cfg.teacher.cache_dtype]
+        ids, logps = [self.seen[d][0] for d in digests], [self.seen[d][1] for d in digests]
+        hidden = {layer: [self.seen[d][2][layer] for d in digests] for layer in self.settings.layers}
+        self.store.mkdir(parents=True, exist_ok=True)
+        teacher_cache.write_shard(
+            self.store, f"r{self.rank:03d}-{self.written:05d}", digests, ids, logps, hidden, dtype
+        )
+        self.written += 1
+        self.seen = {}
 
     def epoch_end(self, accelerator: Accelerator) -> None:
         """Write this process's shard of what the first epoch saw, complete the store (examples no process
@@ -340,11 +369,7 @@ class FillingTeacher(Teacher):
         rank, processes = accelerator.process_index, accelerator.num_processes
         dtype, layers = teacher_cache.STORAGE_DTYPES[self.cfg.teacher.cache_dtype], self.settings.layers
         self.store.mkdir(parents=True, exist_ok=True)
-        if self.seen:
-            digests = list(self.seen)
-            ids, logps = [self.seen[d][0] for d in digests], [self.seen[d][1] for d in digests]
-            hidden = {layer: [self.seen[d][2][layer] for d in digests] for layer in layers}
-            teacher_cache.write_shard(self.store, f"r{rank:03d}", digests, ids, logps, hidden, dtype)
+        self.flush()
         accelerator.wait_for_everyone()
         written = set(teacher_cache.stored_digests(self.store))
         missing = [
@@ -432,7 +457,7 @@ def teacher(
         )
         folder = carried if (carried / "meta.json").is_file() else folder
     if cfg.teacher.cache_fill == "first_epoch" and not (folder / "meta.json").is_file():
-        return FillingTeacher(target, settings, folder, train_examples, cfg, pad)
+        return FillingTeacher(target, settings, folder, train_examples, cfg, pad, accelerator.process_index)
     teacher_cache.build(
         target,
         covered,

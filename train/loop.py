@@ -24,7 +24,7 @@ import torch
 import torchmetrics
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
@@ -200,10 +200,12 @@ def setup(cfg: DistillConfig) -> Run:
     if shards_teacher(cfg, accelerator, teacher_logits):
         teacher_logits.forward = shard_teacher(target)
     loader, heldout = loaders(cfg, train_examples, heldout_examples, pad)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps)
     draft, optimizer, loader, heldout, scheduler = accelerator.prepare(draft, optimizer, loader, heldout, scheduler)
+    # after prepare: FSDP replaces the draft's parameters with its shards (the optimizer is moved onto them)
+    params = [p for p in draft.parameters() if p.requires_grad]
     run = Run(
         cfg=cfg,
         accelerator=accelerator,
@@ -756,7 +758,8 @@ def save(run: Run) -> None:
     main = accelerator.is_main_process
     tmp = checkpoint.begin(run.run_dir, step) if main else checkpoint.temporary_dir(run.run_dir, step)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "state"))
+    # accelerate's safetensors writer cannot read a sharded (DTensor) state's storage: pickled tensors there
+    accelerator.save_state(str(tmp / "state"), safe_serialization=accelerator.distributed_type != DistributedType.FSDP)
     state = accelerator.get_state_dict(run.draft)  # gathers a sharded (FSDP) draft; every process takes part
     if main:
         checkpoint.write_draft(accelerator.unwrap_model(run.draft), state, run.tokenizer, tmp, cfg.target)

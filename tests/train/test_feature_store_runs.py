@@ -9,6 +9,7 @@ import pytest
 from draftsmith.cli import main
 from draftsmith.distill.dataset_builder import training_examples
 from draftsmith.train.config import DistillConfig, config_path, load_config
+from draftsmith.train import examples
 from draftsmith.train.loop import train
 from tests.helpers import tiny_llama, tiny_tokenizer
 
@@ -70,6 +71,25 @@ def test_a_second_run_on_the_same_data_reads_the_bf16_store_and_the_hybrid_fills
     assert losses(filled)[:6] == pytest.approx(losses(live)[:6], rel=1e-5)
     again = train(tiny_cfg(tmp_path / "again", **hybrid)).run_dir
     assert summary(again)["teacher_forwards"] == 0 and summary(again)["teacher"] == "store"
+
+
+def test_the_first_epoch_fill_writes_its_rows_to_shards_as_it_goes(tmp_path, home, monkeypatch):
+    # a filling teacher holds at most 16 rows: the 48 training examples reach the store in 3 shards
+    # during the epoch (not at its end), and training is the same as with one shard at the epoch's end
+    hybrid = {**EAGLE, "teacher_cache": "true", "teacher_top_k": 16, "teacher_cache_fill": "first_epoch"}
+    hybrid |= {"max_steps": 8, "save_steps": 8, "log_steps": 4}
+    whole = train(tiny_cfg(tmp_path / "whole", **hybrid)).run_dir
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "another-home"))  # a store of its own
+    monkeypatch.setattr(examples, "FILL_SHARD_ROWS", 16)
+    written = []
+    flush = examples.FillingTeacher.flush
+    monkeypatch.setattr(examples.FillingTeacher, "flush", lambda self: written.append(len(self.seen)) or flush(self))
+    sharded = train(tiny_cfg(tmp_path / "sharded", **hybrid)).run_dir
+    assert written == [16, 16, 16, 0]  # three shards in the epoch, nothing left at its end
+    meta = json.loads((Path(summary(sharded)["store"]) / "meta.json").read_text())
+    assert meta["examples"] == 48 and meta["files"] == [f"shard-r000-0000{i}.safetensors" for i in range(3)]
+    assert summary(sharded)["teacher_forwards"] == 6
+    assert losses(sharded) == pytest.approx(losses(whole), rel=1e-6)
 
 
 def test_an_eagle3_run_reads_the_feature_store_the_data_step_wrote(tmp_path, home, capsys):
