@@ -8,8 +8,8 @@ import pytest
 
 from draftsmith.cli import main
 from draftsmith.distill.dataset_builder import training_examples
-from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train import examples
+from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
 from tests.helpers import tiny_llama, tiny_tokenizer
 
