@@ -32,7 +32,7 @@ import json
 import math
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -47,6 +47,11 @@ from draftsmith.distill.losses import TopkTeacher, densify_topk
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.loading import draftsmith_home
+
+# Stores a training run builds from its own target say which teacher computed them: revision 2 keeps the
+# rotary frequencies in float32 for a bfloat16 target, as from_pretrained and every decoder here do
+# (revision 1, unmarked, had rounded them to bfloat16: its stores are not reused).
+TEACHER_REVISION = 2
 
 
 def example_digest(example: dict) -> bytes:
@@ -66,6 +71,8 @@ def cache_key(
     """The name of the cache of ``examples``: the same for the same examples in any order; a store with
     hidden states is named by its layers and their storage dtype too (a top-k cache keeps its old name)."""
     key = ["by-content", target_name, str(dtype), top_k, temperature]
+    if dtype != torch.float32:
+        key.append(f"teacher-revision-{TEACHER_REVISION}")
     if layers:
         key += [sorted(layers), str(hidden_dtype)]
     digest = hashlib.sha256(json.dumps(key).encode())
@@ -96,6 +103,8 @@ def find_store(
         return folder
     wanted = {"target_key": target, "dtype": dtype_name(dtype), "top_k": top_k}
     wanted["content"] = content_digest(unique_examples(examples)[0])
+    if target != DATASET_TARGET and dtype != torch.float32:
+        wanted["teacher_revision"] = TEACHER_REVISION
     for meta_path in sorted(folder.parent.glob("*/meta.json")):
         meta = json.loads(meta_path.read_text())
         if any(meta.get(key) != value for key, value in wanted.items()):
@@ -185,7 +194,7 @@ def build(
         return folder
     digests, examples = unique_examples(examples)  # a repeated example is run once
     made_by = {"target": target.name_or_path, "dtype": dtype_name(target.dtype), "top_k": top_k}
-    made_by |= {"content": content_digest(digests), "target_key": target_key}
+    made_by |= {"content": content_digest(digests), "target_key": target_key, "teacher_revision": TEACHER_REVISION}
     if layers:
         made_by |= {"layers": sorted(layers), "hidden_dtype": dtype_name(hidden_dtype)}
         made_by["hidden_size"] = target.config.hidden_size
@@ -455,15 +464,63 @@ def stored_digests(folder: Path) -> list[bytes]:
     return digests
 
 
+class StoredEntries(Mapping):
+    """The top-k entries of a store's examples by content digest, each read from its shard when asked
+    (memory-mapped slices): a process holds where each example lies, not the entries, so its memory
+    does not grow with the store. ``entries[digest]`` -> (indices (N, k), log-probs (N, k))."""
+
+    def __init__(self, folder: Path, names: list[str]):
+        self.folder = folder
+        self.where: dict[bytes, tuple[str, int, int]] = {}  # digest -> (shard file, first loss row, rows)
+        for name in names:
+            with safe_open(folder / name, framework="pt") as f:
+                digests, counts = f.get_tensor("digests").tolist(), f.get_tensor("counts").tolist()
+            starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+            for row, count in enumerate(counts):
+                self.where[bytes(digests[row])] = (name, starts[row], count)
+        self.files: dict[str, object] = {}
+
+    def __getitem__(self, digest: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        name, start, count = self.where[digest]
+        if name not in self.files:
+            self.files[name] = safe_open(self.folder / name, framework="pt")
+        f = self.files[name]
+        return f.get_slice("indices")[start : start + count].long(), f.get_slice("logprobs")[
+            start : start + count
+        ].float()
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self.where
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+class ExampleEntries(Sequence):
+    """The entries of a list of examples, in its order, read when indexed (``StoredEntries``)."""
+
+    def __init__(self, entries: StoredEntries, digests: list[bytes]):
+        self.entries, self.digests = entries, digests
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.entries[self.digests[i]]
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+
 class Store:
-    """A complete store read back: the top-k entries in memory, the hidden states by memory-mapped
-    slices of its shards at each batch."""
+    """A complete store read back: its top-k entries and hidden states read from memory-mapped slices
+    of its shards at each batch, never all held at once."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.meta = json.loads((folder / "meta.json").read_text())
         self.layers: tuple[int, ...] = tuple(self.meta.get("layers", ()))
-        self.entries = dict(read_entries(folder))
+        self.entries = StoredEntries(folder, shard_files(folder))
         self.where: dict[bytes, tuple[str, int, int]] = {}  # digest -> (shard file, first row, length)
         for name in shard_files(folder) if self.layers else []:
             with safe_open(folder / name, framework="pt") as f:
@@ -473,9 +530,15 @@ class Store:
                 self.where[bytes(digests[row].tolist())] = (name, starts[row], length)
         self.files: dict[str, object] = {}
 
-    def lookup(self, examples: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The top-k entries of ``examples``, in their order; a missing one is an error."""
-        return found_entries(self.folder, self.entries, examples)
+    def lookup(self, examples: list[dict]) -> ExampleEntries:
+        """The top-k entries of ``examples``, in their order, each read when indexed; a missing one is an error."""
+        digests = [example_digest(e) for e in examples]
+        missing = sum(digest not in self.entries for digest in digests)
+        if missing:
+            raise DraftsmithError(
+                f"the teacher cache {self.folder} lacks {missing} of these examples; delete the folder to rebuild it"
+            )
+        return ExampleEntries(self.entries, digests)
 
     def check_layers(self, layers: Sequence[int]) -> None:
         missing = sorted(set(layers) - set(self.layers))

@@ -47,6 +47,26 @@ def test_stored_states_are_the_targets_at_every_position_and_the_top_k_at_the_lo
     torch.testing.assert_close(logps, top.values, atol=2e-3, rtol=0)  # float16 storage
 
 
+def test_a_stores_entries_are_read_from_its_shards_when_asked(tmp_path, target):
+    # three examples over two shards: the reader holds where each lies and reads it when indexed
+    folder = teacher_cache.build(target, EXAMPLES, tmp_path / "store", top_k=4, shard_size=2, progress=False)
+    store = teacher_cache.Store(folder)
+    assert {name for name, _, _ in store.entries.where.values()} == {
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    }
+    assert store.entries.files == {}  # nothing read yet
+    every = dict(teacher_cache.read_entries(folder))
+    assert len(store.entries) == 3 and set(store.entries) == set(every)
+    looked_up = store.lookup([EXAMPLES[2], EXAMPLES[0], EXAMPLES[2]])
+    assert len(looked_up) == 3
+    for got, example in zip(looked_up, [EXAMPLES[2], EXAMPLES[0], EXAMPLES[2]], strict=True):
+        ids, logps = every[teacher_cache.example_digest(example)]
+        assert torch.equal(got[0], ids) and torch.equal(got[1], logps) and len(ids) == sum(example["loss_mask"])
+    with pytest.raises(DraftsmithError, match="lacks 1 of these examples"):
+        store.lookup([{"input_ids": [1, 2], "loss_mask": [0, 1]}])
+
+
 def test_the_targets_argmax_at_the_loss_rows_is_read_from_the_top_k_in_any_column_order(target):
     batch = collate([EXAMPLES[1], EXAMPLES[0]], pad_id=0)
     rows = vocab_cut.loss_rows(batch["loss_mask"])
