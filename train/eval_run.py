@@ -162,6 +162,7 @@ def start_report(
         "trees": [t.text for t in settings.trees],
         "repeats": settings.repeats,
         "pace": settings.pace,
+        "draft_options": {key: settings.draft_options[key] for key in sorted(settings.draft_options)},
     }
     report = speedup.load_report(run_dir)
     changed = any(report.get(k) != v for k, v in measured_under.items())

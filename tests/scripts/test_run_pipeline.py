@@ -284,3 +284,16 @@ def test_early_exit_draft_trains_evaluates_with_kv_reuse_and_is_not_published(tm
 
     assert main(["publish", str(ckpt), "--out", str(tmp_path / "pub")]) == 2
     assert "is an early-exit draft" in capsys.readouterr().err
+
+
+def test_drafts_measured_with_other_draft_options_are_measured_again(tmp_path, capsys):
+    out = tmp_path / "early-exit"
+    items = [f"output_dir={out}", "draft.kind=early_exit", "optim.max_steps=2", "save.steps=2", "log.steps=2"]
+    run_dir = train(load_config(DistillConfig, TINY, items)).run_dir
+    assert main(["eval-run", str(run_dir), *EVAL]) == 0
+    assert capsys.readouterr().out.count("measuring ") == 2  # initial, checkpoint-2
+    assert main(["eval-run", str(run_dir), *EVAL, "--draft-option", "kv_reuse=false"]) == 0
+    assert capsys.readouterr().out.count("measuring ") == 2  # not the KV-reusing figures again
+    assert json.loads((run_dir / "speedup_report.json").read_text())["draft_options"] == {"kv_reuse": False}
+    assert main(["eval-run", str(run_dir), *EVAL, "--draft-option", "kv_reuse=false"]) == 0
+    assert capsys.readouterr().out.count("measuring ") == 0
