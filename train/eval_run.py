@@ -133,8 +133,8 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
         folder = next(folder for name, _, folder in drafts if name == best)
         at = at_temperature(measure, settings.temperatures[0])
         chosen["confirmation"] = speedup.confirm_draft(
-            target, load(folder), tokenizer, at, chosen["best_gamma"]
-        ).to_json()
+            target, load(folder), tokenizer, at, chosen["best_gamma"], chosen.get("best_tree")
+        )
         best = speedup.write_report(run_dir, report)
     report["best"] = best
     return report

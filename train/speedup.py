@@ -179,15 +179,22 @@ def confirm_draft(
     tokenizer: PreTrainedTokenizerBase,
     settings: MeasureSettings,
     best_gamma: int,
-) -> GammaFigures:
-    """The chosen draft measured once more at its best gamma, side by side with the target alone.
+    tree: str | None = None,
+) -> dict:
+    """The chosen draft measured once more as it was chosen, side by side with the target alone: as a
+    token tree of shape ``tree`` when a tree was chosen over the chain (``best_tree``), else as a
+    chain at its best gamma. The figures as the report keeps them, with ``tree`` when one ran.
 
     Choosing the fastest of several drafts by measured speedup favours, among drafts of about equal
     worth, the one whose measurement ran on its luckiest minutes: the highest of several noisy figures
     sits above the chosen draft's own mean. A measurement taken after the choice carries no such
     bias, so it is the figure the model card and the quickstart's summary give (``card_figures``)."""
-    at = dataclasses.replace(settings, options=dataclasses.replace(settings.options, gamma=best_gamma))
-    return GammaFigures.of(evaluate_pair(target, draft, tokenizer, at))
+    shape = None if tree is None else TreeShape.parse(tree)
+    options = dataclasses.replace(settings.options, gamma=best_gamma, tree=shape)
+    measured = evaluate_pair(target, draft, tokenizer, dataclasses.replace(settings, options=options))
+    if tree is None:
+        return GammaFigures.of(measured).to_json()
+    return TreeFigures.of(measured).to_json() | {"tree": tree}
 
 
 def card_figures(result: dict) -> dict:
@@ -198,7 +205,7 @@ def card_figures(result: dict) -> dict:
     if "confirmation" not in result:
         return result
     again = {k: v for k, v in result["confirmation"].items() if v is not None}
-    return {**result, **again, "chosen_speedup": result["speedup"]}
+    return {**result, **again, "chosen_speedup": chosen_figures(result)["speedup"]}
 
 
 def cost_by_gamma(
@@ -303,10 +310,11 @@ def _markdown(report: dict) -> str:
     best = report["results"].get(report.get("best"), {}).get(str(report["temperatures"][0]), {})
     if "confirmation" in best:
         again = card_figures(best)
+        decoding = f"as token tree {again['tree']}" if again.get("tree") else f"at gamma {best['best_gamma']}"
         lines[4:4] = [
             f"{report['best']}, measured again once chosen (the figure its model card gives): speedup "
-            f"{again['speedup']:.2f} at gamma {best['best_gamma']}, alpha {again['acceptance_rate']:.3f}, against "
-            f"{best['speedup']:.2f} in the measurement it was chosen by.",
+            f"{again['speedup']:.2f} {decoding}, alpha {again['acceptance_rate']:.3f}, against "
+            f"{again['chosen_speedup']:.2f} in the measurement it was chosen by.",
             "",
         ]
     for name, by_temp in sorted(report["results"].items(), key=lambda kv: kv[1][next(iter(kv[1]))]["step"]):

@@ -177,3 +177,24 @@ def test_publish_of_a_chain_choice_writes_no_tree(measured_run, tmp_path):
     assert main([*common, "--json", str(tmp_path / "a.json")]) == 0
     report = json.loads((tmp_path / "a.json").read_text())
     assert (report["tree"], report["tree_source"], report["gamma_source"]) == (None, None, "generation_config.json")
+
+
+def test_a_chosen_tree_is_measured_again_as_the_tree(measured_run, tmp_path, capsys):
+    run_dir, _ = measured_run
+    run = chosen(run_dir, tmp_path, "3,1")
+    report = json.loads((run / "speedup_report.json").read_text())
+    for by_temp in report["results"].values():
+        by_temp["0.0"].pop("confirmation", None)
+    (run / "speedup_report.json").write_text(json.dumps(report))
+    assert main(["eval-run", str(run), *MEASURE, "--gammas", "1,2", "--trees", *TREES]) == 0
+    assert "timing it once more" in capsys.readouterr().out
+    report = json.loads((run / "speedup_report.json").read_text())
+    best = report["results"][json.loads((run / "best.json").read_text())["checkpoint"]]["0.0"]
+    again = best["confirmation"]
+    # the tree it was chosen with ran again (a chain's round has no tree nodes), not the chain
+    assert again["tree"] == "3,1" and 1 < again["nodes_per_round"] <= 6 and again["greedy_match"] == 1.0
+    table = (run / "speedup_report.md").read_text()
+    assert (
+        f"as token tree 3,1, alpha {again['acceptance_rate']:.3f}, against {best['trees']['3,1']['speedup']:.2f}"
+        in table
+    )

@@ -52,3 +52,10 @@ def test_a_card_gives_the_measurement_taken_after_the_choice():
     assert card["best_gamma"] == 1 and card["step"] == 4
     paused = {**chosen, "confirmation": {"speedup": 0.99, "acceptance_rate": None}}  # it never drafted
     assert (card_figures(paused)["speedup"], card_figures(paused)["acceptance_rate"]) == (0.99, 0.35)
+
+
+def test_a_card_of_a_chosen_tree_gives_its_second_measurement_against_the_trees_figure():
+    chosen = {**result(4, 1.10, 1.10, 1.10), "best_gamma": 2, "trees": {"3,1": {"speedup": 1.30}}, "best_tree": "3,1"}
+    again = {**chosen, "confirmation": {"speedup": 1.21, "acceptance_rate": 0.4, "tree": "3,1", "nodes_per_round": 4.2}}
+    card = card_figures(again)
+    assert (card["speedup"], card["tree"], card["chosen_speedup"]) == (1.21, "3,1", 1.30)  # not the chain's 1.10
