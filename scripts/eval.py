@@ -38,6 +38,7 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.tree import TreeShape
+from draftsmith.train.speedup import does_not_pay
 
 DESCRIPTION = """Measure how much faster a draft makes a target: acceptance rate, mean accepted tokens (tau),
 tokens/s of the target alone and of speculative decoding (interleaved, median over repeats), the
@@ -218,8 +219,6 @@ def _published_settings(args) -> None:
 
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
     """The decoding settings the arguments ask for, checked together."""
-    if args.guess_tokens < 1:
-        raise DraftsmithError(f"--guess-tokens must be >= 1, got {args.guess_tokens} (no guesses: --no-guesses)")
     options = DecodeOptions(
         gamma=args.gamma,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
@@ -353,6 +352,9 @@ def finish(
     print(f"{str(dtype).removeprefix('torch.')} on {device}, few-row products: {matmul} (--matmul)")
     for line in kind.report_lines(report):
         print(line)
+    verdict = does_not_pay(f"the draft {args.draft}", report.speedup)
+    if verdict is not None:
+        print(f"note: {verdict}")
     if args.json_out:
         out = Path(args.json_out)
         write_text(out, json.dumps({**report.to_json(), "machine": machine.machine()}, indent=2))

@@ -23,6 +23,7 @@ from draftsmith.specdec.files import check_writable
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.train.config import load_run_config
 from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
+from draftsmith.train.speedup import card_figures, does_not_pay
 
 EPILOG = """Writes RUN_DIR/speedup_report.json, speedup_report.md, speedup.png and best.json.
 Drafts already measured (same prompts, gammas, tokens) are not measured again unless --force.
@@ -100,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     report = evaluate_run(run_dir, settings)
     print((run_dir / "speedup_report.md").read_text())
     print(f"best draft: {report['best']} (written to {run_dir / 'best.json'})")
+    if report["best"] is not None:
+        chosen = card_figures(report["results"][report["best"]][str(settings.temperatures[0])])
+        verdict = does_not_pay(f"the best draft, {report['best']},", chosen["speedup"])
+        if verdict is not None:
+            print(f"note: {verdict}")
     if engine_batch_sizes:  # --engine vllm: the best draft in vLLM beside the bundled decoder
         engine_run_report(run_dir, report, args, engine_batch_sizes)
         print((run_dir / ENGINE_REPORT).read_text())

@@ -26,7 +26,7 @@ from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 from draftsmith.train.loop import train
 from draftsmith.train.models import RunModels
 from draftsmith.train.publish import check_output_folder, publish
-from draftsmith.train.speedup import card_figures
+from draftsmith.train.speedup import card_figures, does_not_pay
 
 CONFIG = "smollm2-135m"
 # The recipe measures on 6 held-out prompts, with the draft's head cut to the 8192 tokens most
@@ -130,3 +130,6 @@ def print_summary(run_dir: Path, report: dict, best: str) -> None:
     print(f"{'best gamma':<30}{before['best_gamma']:>18}{after['best_gamma']:>24}")
     print(f"{'measured speedup':<30}{before['speedup']:>18.2f}{after['speedup']:>24.2f}")
     print(f"{'greedy output identical':<30}{before['greedy_match']:>18.0%}{after['greedy_match']:>24.0%}")
+    verdict = does_not_pay(f"the published draft ({best})", after["speedup"])
+    if verdict is not None:
+        print(f"\nnote: {verdict}")

@@ -29,7 +29,7 @@ from draftsmith.specdec.prompts import encode_chat
 from draftsmith.train import checkpoint
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, draft_settings
 from draftsmith.train.models import RunModels
-from draftsmith.train.speedup import BEST, REPORT, card_figures
+from draftsmith.train.speedup import BEST, REPORT, card_figures, does_not_pay
 
 GAMMA = 4  # draft tokens per round of an unmeasured draft (eval's default)
 # Hub ids of the built-in aliases, for the model card's base_model.
@@ -321,6 +321,9 @@ def _measured(report: dict, results: dict) -> list[str]:
             f"{r['mean_accepted_tokens']:.2f} | {r['speedup']:.2f}x |"
         )
     first = results.get(str(report["temperatures"][0]), {})
+    verdict = does_not_pay("This draft", first.get("speedup"))
+    if verdict is not None:
+        lines += ["", f"**{verdict}.**"]
     if "chosen_speedup" in first:
         lines += [
             "",

@@ -208,6 +208,17 @@ def card_figures(result: dict) -> dict:
     return {**result, **again, "chosen_speedup": chosen_figures(result)["speedup"]}
 
 
+def does_not_pay(name: str, speedup: float | None) -> str | None:
+    """A plain line when ``name`` measured slower than the target alone (speedup below 1.0), else None:
+    a user must not read such a draft as one that makes decoding faster."""
+    if speedup is None or speedup >= 1.0:
+        return None
+    return (
+        f"{name} does not pay here: it measured {speedup:.2f}x the target alone, so decoding without it is "
+        "faster on this machine (the pacer stops drafting where it sees that; train longer or on more data)"
+    )
+
+
 def cost_by_gamma(
     draft: torch.nn.Module, gammas: list[int], base: int, first: PairReport, run
 ) -> Callable[[int], float]:

@@ -1,6 +1,6 @@
 """eval-run's best checkpoint: a later draft wins only when its lead exceeds the spread over repeats."""
 
-from draftsmith.train.speedup import card_figures, choose_best, choose_tree, chosen_figures
+from draftsmith.train.speedup import card_figures, choose_best, choose_tree, chosen_figures, does_not_pay
 
 
 def result(step, speedup, low, high):
@@ -59,3 +59,9 @@ def test_a_card_of_a_chosen_tree_gives_its_second_measurement_against_the_trees_
     again = {**chosen, "confirmation": {"speedup": 1.21, "acceptance_rate": 0.4, "tree": "3,1", "nodes_per_round": 4.2}}
     card = card_figures(again)
     assert (card["speedup"], card["tree"], card["chosen_speedup"]) == (1.21, "3,1", 1.30)  # not the chain's 1.10
+
+
+def test_a_draft_slower_than_the_target_alone_is_said_not_to_pay():
+    line = does_not_pay("checkpoint-72", 0.96)
+    assert line.startswith("checkpoint-72 does not pay here: it measured 0.96x the target alone")
+    assert does_not_pay("checkpoint-72", 1.0) is None and does_not_pay("initial", None) is None
