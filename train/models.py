@@ -124,11 +124,16 @@ def build_models(cfg: DistillConfig, device: torch.device):
     The draft is built from the target's tensors in float32 (the dtype it trains in). With
     ``teacher.load_parts`` only the tensors its kind reads are loaded (``target_parts``): the rest of
     the target loads the first time the target runs (``specdec.partial_model``), directly in the
-    teacher's dtype, so a run fed by a feature store never holds the target's layers. Otherwise the
-    whole target loads in float32 and is then cast to ``teacher.dtype``.
+    teacher's dtype, so a run fed by a feature store never holds the target's layers. A target placed
+    with ``teacher.device_map`` (too large for one device) loads whole in the teacher's dtype, and the
+    draft built from it is cast to float32. Otherwise (``teacher.load_parts`` false, the tiny target)
+    the whole target loads in float32 and is then cast to ``teacher.dtype``.
     """
     teaching = teacher_dtype(cfg, device)
-    if cfg.target == "tiny" or not cfg.teacher.load_parts or cfg.teacher.device_map is not None:
+    if cfg.teacher.device_map is not None and cfg.target != "tiny":
+        target, tokenizer = load_target(cfg, device, teaching)
+        return target, tokenizer, build_draft(cfg, target, tokenizer, device).float()
+    if cfg.target == "tiny" or not cfg.teacher.load_parts:
         target, tokenizer = load_target(cfg, device)
         draft = build_draft(cfg, target, tokenizer, device)
         return cast_parameters(target, teaching), tokenizer, draft
