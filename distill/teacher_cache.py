@@ -268,13 +268,6 @@ def say_why_not_reused(folder: Path, wanted: dict) -> None:
         return
 
 
-def rows_top_k(target: PreTrainedModel, batch: dict, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's top-k (token ids, log-probs), each (M, k), at a batch's M loss rows: its head and
-    log-softmax at those rows only, a chunk of rows at a time (prompt and padding positions cost no head)."""
-    hidden = vocab_cut.target_rows(target, batch, vocab_cut.loss_rows(batch["loss_mask"])).hidden  # (M, H)
-    return head_top_k(target, hidden, top_k)
-
-
 def head_top_k(target: PreTrainedModel, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The target head's top-k (token ids, log-probs), each (M, k), over the full vocabulary at
     temperature 1, of decoder outputs ``hidden`` (M, H), a chunk of rows at a time."""
