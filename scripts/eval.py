@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from draftsmith.specdec.loading import (
     load_tokenizer,
     resolve_device,
     resolve_dtype,
+    same_model,
 )
 from draftsmith.specdec.matmul import use_column_products, uses_column_products
 from draftsmith.specdec.measure import machine
@@ -38,6 +40,7 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.tree import TreeShape
+from draftsmith.train.profile import profile_target
 from draftsmith.train.speedup import does_not_pay
 
 DESCRIPTION = """Measure how much faster a draft makes a target: acceptance rate, mean accepted tokens (tau),
@@ -270,6 +273,18 @@ def load_pair(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
     return tokenizer, target, draft, kind
 
 
+def warn_other_target(draft: str, target: str) -> None:
+    """A published draft measured against another target than ``target``: say so, naming both (its
+    figures and gamma were measured there, and its acceptance here may be anything)."""
+    made_for = profile_target(Path(draft)) if Path(draft).is_dir() else None
+    if made_for is not None and not same_model(made_for, target):
+        print(
+            f"warning: {draft} was distilled and measured for the target {made_for}, not {target}: its published "
+            "figures and gamma do not carry over",
+            file=sys.stderr,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_eval_options(args)  # before anything loads: contradictions, options that do not apply, --json
@@ -280,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     not_in_engine.update({"--confidence-threshold": args.confidence_threshold, "--draft-vocab": args.draft_vocab})
     engine_batch_sizes = check_engine_eval_options(args, not_in_engine)
+    warn_other_target(args.draft, args.target)
     _published_settings(args)
     options = decode_options(args)
     prompts = read_prompts(args.prompts, all_turns=args.all_turns)[: args.limit]

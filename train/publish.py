@@ -29,6 +29,7 @@ from draftsmith.specdec.prompts import encode_chat
 from draftsmith.train import checkpoint
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, draft_settings
 from draftsmith.train.models import RunModels
+from draftsmith.train.profile import draft_profile, profile_lines, write_profile
 from draftsmith.train.speedup import BEST, REPORT, card_figures, does_not_pay
 
 GAMMA = 4  # draft tokens per round of an unmeasured draft (eval's default)
@@ -101,7 +102,11 @@ def publish(
             # The head cut the measurement used: eval on the published folder drafts with it too.
             ranking = draft_vocab.load_ranking(run_dir, measured["draft_vocab"])
             draft_vocab.save_ranking(tmp, ranking)
-        card = model_card(cfg, ckpt, run_dir, kind, tmp, draft_ref=repo_id or str(out.resolve()), license=license)
+        report, results = measured_results(run_dir, ckpt)
+        profile = draft_profile(cfg, ckpt, report, results, target)
+        write_profile(tmp, profile)
+        ref = repo_id or str(out.resolve())
+        card = model_card(cfg, ckpt, kind, tmp, draft_ref=ref, license=license, measured=(report, results, profile))
         card.save(tmp / "README.md")
         # The written folder must draft exactly like the checkpoint: the same tokens accepted.
         prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in CHECK_PROMPTS]
@@ -222,16 +227,30 @@ def is_hub_id(name: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
 
 
-def model_card(
-    cfg: DistillConfig, ckpt: Path, run_dir: Path, kind: DraftKind, folder: Path, draft_ref: str, license: str | None
-) -> ModelCard:
-    """The model card (README.md): hub metadata with the measured results as ``eval_results``, what the
-    draft is and how it was made, and usage that runs as written; the kind describes the draft exported
-    into ``folder`` and gives the usage of each engine that runs it (``DraftKind.card_usage``)."""
-    target = HUB_IDS.get(cfg.target, cfg.target)
+def measured_results(run_dir: Path, ckpt: Path) -> tuple[dict | None, dict]:
+    """(the run's eval-run report or None, ``ckpt``'s figures per temperature as its card gives them:
+    its confirmation where it was measured again, ``speedup.card_figures``)."""
     report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else None
     measured = (report or {}).get("results", {}).get(ckpt.name, {})
-    results = {temp: card_figures(r) for temp, r in measured.items()}  # its confirmation where measured again
+    return report, {temp: card_figures(r) for temp, r in measured.items()}
+
+
+def model_card(
+    cfg: DistillConfig,
+    ckpt: Path,
+    kind: DraftKind,
+    folder: Path,
+    draft_ref: str,
+    license: str | None,
+    measured: tuple[dict | None, dict, dict],
+) -> ModelCard:
+    """The model card (README.md): hub metadata with the measured results as ``eval_results``, what the
+    draft is and how it was made, its acceptance profile, and usage that runs as written; the kind
+    describes the draft exported into ``folder`` and gives the usage of each engine that runs it
+    (``DraftKind.card_usage``). measured: (report, results, profile) as ``measured_results`` and
+    ``profile.draft_profile`` give them."""
+    target = HUB_IDS.get(cfg.target, cfg.target)
+    report, results, profile = measured
     data = ModelCardData(
         base_model=target if is_hub_id(target) else None,
         license=license or LICENSES.get(target, "other"),
@@ -256,6 +275,7 @@ def model_card(
     ]
     if results:
         lines += _measured(report, results)
+        lines += ["", *profile_lines(profile)]
     else:
         lines.append("Not measured yet: run `draftsmith eval-run` on the training run before publishing.")
     gamma = next(iter(results.values()))["best_gamma"] if results else GAMMA

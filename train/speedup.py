@@ -52,14 +52,30 @@ class GammaFigures:
     guesses: int = 0  # lookup-guess tokens verified beside the draft's (``specdec.lookup``)
     guesses_accepted: int = 0
     lookup_rounds: int = 0
+    by_category: dict | None = None  # per prompt category: acceptance rate, per position, and speedup
 
     @classmethod
     def of(cls, report: PairReport):
         """The figures of ``report`` this class keeps."""
-        return cls(**fields_of(cls, report))
+        return cls(**figures_of(cls, report))
 
     def to_json(self) -> dict:
         return {name: plain(value) for name, value in fields_of(GammaFigures, self).items()}
+
+
+def figures_of(cls, report: PairReport) -> dict:
+    """The fields of ``cls`` (``GammaFigures`` or a subclass) taken from ``report``, its categories'
+    acceptance and speedup as ``by_category``."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "by_category"]
+    by_category = {
+        name: {
+            "acceptance_rate": figures.acceptance_rate,
+            "acceptance_by_position": figures.acceptance_by_position,
+            "speedup": figures.speedup,
+        }
+        for name, figures in report.per_category.items()
+    }
+    return {**{name: getattr(report, name) for name in names}, "by_category": by_category}
 
 
 @dataclass(frozen=True)
@@ -156,7 +172,7 @@ def measure_draft(
     measured = {t.text: TreeFigures.of(run(tree=t)) for t in trees}
     speedups = {shape: figures.speedup for shape, figures in measured.items()}
     result = DraftMeasurement(
-        **{**fields_of(GammaFigures, confirmed), "predicted_speedup": predicted_at_best},
+        **{**figures_of(GammaFigures, confirmed), "predicted_speedup": predicted_at_best},
         temperature=settings.options.sampling.temperature,
         best_gamma=best_gamma,
         measured_cost_ratio={

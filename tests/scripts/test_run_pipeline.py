@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -203,6 +204,38 @@ def test_publish_writes_a_loadable_draft_with_a_model_card(tmp_path, run_dir, ca
         assert "is missing model.safetensors" in capsys.readouterr().err
     finally:
         (tmp_path / "moved").rename(run_dir / "checkpoint-2" / "model.safetensors")
+
+
+def test_a_published_draft_carries_its_acceptance_profile_and_provenance(tmp_path, run_dir, capsys):
+    main(["eval-run", str(run_dir), *EVAL])
+    out = tmp_path / "draft"
+    assert main(["publish", str(run_dir), "--out", str(out)]) == 0
+    report = json.loads((run_dir / "speedup_report.json").read_text())
+    best = json.loads((run_dir / "best.json").read_text())["checkpoint"]
+    profile = json.loads((out / "draftsmith_profile.json").read_text())
+    card = speedup.card_figures(report["results"][best]["0.0"])  # the figures the card gives
+    at = profile["acceptance"]["0.0"]
+    assert (at["gamma"], at["acceptance_rate"], at["speedup"]) == (
+        card["best_gamma"],
+        card["acceptance_rate"],
+        card["speedup"],
+    )
+    assert at["acceptance_by_position"] == card["acceptance_by_position"] and len(at["acceptance_by_position"]) >= 1
+    # the two prompts measured: one category each (eval_prompts.jsonl)
+    assert len(at["by_category"]) >= 1 and all(0 <= c["acceptance_rate"] <= 1 for c in at["by_category"].values())
+    made = profile["provenance"]
+    assert made["target"] == "tiny" and len(made["target_weights_sha256"]) == 64 and made["checkpoint"] == best
+    assert made["config"]["optim.max_steps"] == 4 and made["draftsmith_version"]
+    assert profile["measured_under"]["max_new_tokens"] == 12 and profile["measured_under"]["hardware"]
+    text = (out / "README.md").read_text()
+    assert "## Acceptance profile" in text and "![acceptance by draft position](acceptance.png)" in text
+    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    # measured against another target, it says so, naming both
+    other = tmp_path / "other-target"
+    shutil.copytree(run_dir / best, other)  # a model folder with its tokenizer: another target
+    common = ["eval", "--draft", str(out), *EVAL[:4], "--max-new-tokens", "4", "--repeats", "1", "--no-progress"]
+    assert main([*common, "--target", str(other)]) == 0
+    assert f"was distilled and measured for the target tiny, not {other}" in capsys.readouterr().err
 
 
 def test_push_without_credentials_keeps_the_local_folder(tmp_path, run_dir, capsys, monkeypatch):
