@@ -133,10 +133,21 @@ else
     echo "no vLLM environment: skipped"
 fi
 
+echo "== the README's large-target recipe at small scale (benchmarks/large_target_rehearsal.sh, limit ${REHEARSAL_S:-400} s)"
+if "$PYTHON" -c "import draftsmith.specdec.vllm_server as v; v.check_engine_importable(v.find_engine())" 2>/dev/null; then
+    # the GPUs there are: vLLM over them (the default target's 9 heads split over 1, 3 or 9), training in as many processes
+    PYTHON="$PYTHON" DRAFTSMITH="$PYTHON -m draftsmith.cli" PROCESSES=$(( gpus >= 2 ? 2 : 1 )) \
+        RESULT="$WORK/logs/large_target_rehearsal.json" timeout -s INT "${REHEARSAL_S:-400}" \
+        bash benchmarks/large_target_rehearsal.sh 2>&1 | tee "$WORK/logs/rehearsal.log"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+else
+    echo "no vLLM environment: skipped"
+fi
+
 if [[ -n ${OUT:-} ]]; then
     cp "$WORK"/logs/versions.txt "$WORK"/logs/tests.log "$WORK"/logs/real_shapes.log "$WORK"/logs/train_summaries.log "$OUT"/ 2>/dev/null
     tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
-    cp benchmarks/results/real_shapes_cuda.json "$OUT"/ 2>/dev/null
+    cp benchmarks/results/real_shapes_cuda.json "$WORK"/logs/large_target_rehearsal.json "$OUT"/ 2>/dev/null
 fi
 echo "== GPU check $([[ $status == 0 ]] && echo passed || echo FAILED); $(head -1 "$WORK/logs/versions.txt")"
 exit $status
