@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from draftsmith.distill.dataset_card import missing_manifest
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path
@@ -93,7 +94,9 @@ def saved_rows(folder: Path, split: str) -> datasets.Dataset:
     try:
         loaded = datasets.load_from_disk(str(folder))
     except FileNotFoundError as err:
-        raise DraftsmithError(f"{folder} is a folder but not one written by datasets' save_to_disk") from err
+        raise DraftsmithError(
+            missing_manifest(folder) or f"{folder} is a folder but not one written by datasets' save_to_disk"
+        ) from err
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DraftsmithError(f"{folder} has no split {split!r}; it has {', '.join(loaded)} (set data.split)")

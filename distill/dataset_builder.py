@@ -61,6 +61,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.distill.data import target_examples
+from draftsmith.distill.dataset_card import check_card_files, missing_manifest
 from draftsmith.distill.engines import Writer
 from draftsmith.distill.prompt_filters import Deduplicator, PromptFilter
 from draftsmith.distill.prompt_sources import PromptRecord
@@ -76,6 +77,7 @@ from draftsmith.specdec.continuous import Progress
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.loading import same_model
+from draftsmith.specdec.locks import LOCK_FILE
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.specdec.sampling import SamplingParams
 
@@ -186,7 +188,9 @@ def check_trusted(folder: Path, target: str, allow_incomplete: bool = False) -> 
     """
     manifest = read_manifest(folder)
     if manifest is None:
-        raise DraftsmithError(f"{folder} is not a dataset built by draftsmith data (no {MANIFEST})")
+        not_built = f"{folder} is not a dataset built by draftsmith data (no {MANIFEST})"
+        raise DraftsmithError(missing_manifest(folder) or not_built)
+    check_card_files(folder)
     made_by = manifest["settings"]["target"]
     if not same_model(made_by, target):
         raise DraftsmithError(
@@ -210,9 +214,11 @@ def check_settings(folder: Path, settings: BuildSettings) -> dict | None:
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest is None:
-        if folder.is_dir() and any(folder.iterdir()):
-            raise DraftsmithError(f"{folder} exists and is not a draftsmith dataset (no {MANIFEST}); choose another")
+        if folder.is_dir() and any(p.name != LOCK_FILE for p in folder.iterdir()):  # a build's lock alone: new
+            not_built = f"{folder} exists and is not a draftsmith dataset (no {MANIFEST}); choose another"
+            raise DraftsmithError(missing_manifest(folder) or not_built)
         return None
+    check_card_files(folder)
     # Datasets from before engines were recorded were all made by the bundled decoder.
     old, new = {"engine": "draftsmith", **manifest["settings"]}, settings.to_dict()
     if same_model(old["target"], new["target"]):  # the target's folder named another way (a link, a trailing /)

@@ -36,6 +36,7 @@ from pathlib import Path
 import datasets
 
 from draftsmith.distill.data import BUILTIN_PROMPTS, EVAL_PROMPTS, check_json_file
+from draftsmith.distill.dataset_card import missing_manifest
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.prompts import parse_prompt_row, read_prompts
 
@@ -157,7 +158,8 @@ def load_rows(spec: str, config: str | None = None, split: str = "train") -> dat
             loaded = datasets.load_from_disk(str(path))
         except FileNotFoundError as err:
             raise DraftsmithError(
-                f"{spec} is a folder but neither a draftsmith data folder (no manifest.json) nor one written by "
+                missing_manifest(path)
+                or f"{spec} is a folder but neither a draftsmith data folder (no manifest.json) nor one written by "
                 "datasets' save_to_disk; give such a folder, or a .jsonl, .json, .csv or .parquet file"
             ) from err
         if isinstance(loaded, datasets.DatasetDict):

@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 
 from draftsmith.distill import dataset_builder
+from draftsmith.distill.dataset_card import missing_manifest
 from draftsmith.distill.tiny import CONTEXT as TINY_CONTEXT
 from draftsmith.distill.tiny import char_tokenizer
 from draftsmith.options import check_sampling, parse_list
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
 from draftsmith.specdec.loading import check_model_files, context_length, vocab_size
+from draftsmith.specdec.locks import LOCK_FILE
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.train.config import RUN_CONFIG, DistillConfig
@@ -27,7 +29,7 @@ def check_run_inputs(cfg: DistillConfig) -> None:
     ``draftsmith data`` folder trains only when it is complete and made by this target."""
     out = Path(cfg.output_dir)
     check_writable(out, f"output_dir={cfg.output_dir}", folder=True)
-    if out.is_dir() and any(out.iterdir()) and not (out / RUN_CONFIG).is_file():
+    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()) and not (out / RUN_CONFIG).is_file():
         raise DraftsmithError(
             f"output_dir={cfg.output_dir} is not empty and holds no run (no {RUN_CONFIG}); give a new folder, "
             "or a run folder to resume"
@@ -41,6 +43,8 @@ def check_run_inputs(cfg: DistillConfig) -> None:
         )
     if folder is not None:
         dataset_builder.check_trusted(folder, cfg.target, cfg.data.allow_incomplete)
+    elif missing_manifest(Path(cfg.data.dataset)) is not None:  # a data folder copied without its manifest
+        raise DraftsmithError(missing_manifest(Path(cfg.data.dataset)))
     vocab = run_vocab_size(cfg)
     if cfg.teacher.cache and vocab is not None and cfg.teacher.top_k > vocab:
         raise DraftsmithError(
@@ -109,8 +113,24 @@ def check_gamma_fits(gamma: int | None, max_new_tokens: int, context: int | None
     if gamma is not None and context is not None and gamma + max_new_tokens >= context:
         raise DraftsmithError(
             f"{option} {gamma} with --max-new-tokens {max_new_tokens} does not fit the target's context ({context} "
-            f"tokens); give a gamma below {max(context - max_new_tokens, 1)}"
+            f"tokens); give {option} below {max(context - max_new_tokens, 1)}"
         )
+
+
+MAX_GUESS_TOKENS = 64  # a round verifies each guess as a row; far past any repeat an answer holds
+
+
+def check_guess_tokens(tokens: int, max_new_tokens: int, context: int | None) -> None:
+    """--guess-tokens: 1 to ``MAX_GUESS_TOKENS``, and a round with them fits the target's ``context`` when
+    guesses may be on (each is a cache slot and a verification row, reserved for the whole run: a huge one
+    allocates for minutes)."""
+    if not 1 <= tokens <= MAX_GUESS_TOKENS:
+        raise DraftsmithError(
+            f"--guess-tokens must be 1 to {MAX_GUESS_TOKENS} (lookup tokens a round verifies), got {tokens}; "
+            "no guesses: --no-guesses"
+        )
+    if context is not None and max_new_tokens + 1 < context:  # an answer past the context is refused on its own
+        check_gamma_fits(tokens, max_new_tokens, context, option="--guess-tokens")
 
 
 def check_eval_options(args: argparse.Namespace) -> None:
@@ -121,6 +141,9 @@ def check_eval_options(args: argparse.Namespace) -> None:
         TreeShape.parse(args.tree)
     check_sampling(args.temperature, args.top_p)
     check_gamma_fits(args.gamma, args.max_new_tokens, context_length(args.target))
+    check_guess_tokens(
+        args.guess_tokens, args.max_new_tokens, context_length(args.target) if args.guesses is not False else None
+    )
     if args.temperature == 0:
         for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0)):
             if given:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from draftsmith.options import refuse_repeated
+from draftsmith.options import attach_dashed_values, refuse_repeated
 from draftsmith.specdec.errors import DraftsmithError
 
 COMMANDS = {
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     try:
         refuse_repeated(rest)
-        return module.main(rest) or 0
+        return module.main(attach_dashed_values(rest)) or 0
     except DraftsmithError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

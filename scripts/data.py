@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import shutil
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from pathlib import Path
 import datasets
 import torch
 from accelerate import PartialState
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
@@ -55,6 +57,7 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
 from draftsmith.specdec.loading import (
     DEFAULT_TARGET,
+    config_field,
     context_length,
     eos_token_ids,
     load_model,
@@ -65,6 +68,7 @@ from draftsmith.specdec.loading import (
     resolve_model,
     vocab_size,
 )
+from draftsmith.specdec.locks import folder_lock
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.vllm_client import served_model
 from draftsmith.specdec.vllm_server import (
@@ -182,8 +186,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-length", type=int, default=256, help="--hidden-layers: rows cut as distill cuts them")
     p.add_argument("--store-dtype", default="bfloat16", help="--hidden-layers: storage dtype (default: bfloat16)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine vllm: GPUs per model copy")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="--engine vllm: model copies serving")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=None, help="--engine vllm: GPUs per model copy (default: 1)"
+    )
+    p.add_argument(
+        "--data-parallel-size", type=int, default=None, help="--engine vllm: model copies serving (default: 1)"
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
     p.add_argument(
         "--dtype",
@@ -322,12 +330,83 @@ def check_options(args: argparse.Namespace) -> None:
                 "--hidden-layers with --engine vllm needs a server draftsmith starts (with the extract_hidden_states "
                 "method and its connector), not the one at --engine-url; leave out --engine-url"
             )
+        if args.max_length < 1:
+            raise DraftsmithError(f"--max-length must be >= 1 (tokens a stored row is cut to), got {args.max_length}")
+        count = config_field(args.target, "num_hidden_layers")
+        if count is not None:  # else checked once the target loads, still before any answer
+            check_layer_range(args, count)
         if args.engine == "vllm":
             check_vllm_layers(args)
+    check_parallel_sizes(args)
     check_engine_options(args)
     check_writable(Path(args.output), f"--output {args.output}", folder=True)
     if args.engine == "vllm" and args.engine_url is None:
         check_engine_importable(find_engine())
+
+
+def check_parallel_sizes(args: argparse.Namespace) -> None:
+    """--tensor-parallel-size and --data-parallel-size shape the vLLM server draftsmith starts: refused
+    without one, or below 1 (a server asked for 0 GPUs waits for them forever); 1 when not given."""
+    sizes = {"--tensor-parallel-size": args.tensor_parallel_size, "--data-parallel-size": args.data_parallel_size}
+    for flag, value in sizes.items():
+        if value is None:
+            continue
+        if args.engine != "vllm":
+            raise DraftsmithError(f"{flag} applies to --engine vllm (the server it starts); leave it out")
+        if args.engine_url is not None:
+            raise DraftsmithError(f"{flag} shapes a server draftsmith starts; --engine-url names a running one")
+        if value < 1:
+            raise DraftsmithError(f"{flag} must be >= 1 (GPUs or model copies), got {value}")
+    args.tensor_parallel_size = args.tensor_parallel_size or 1
+    args.data_parallel_size = args.data_parallel_size or 1
+
+
+def check_layer_range(args: argparse.Namespace, count: int) -> None:
+    """--hidden-layers within a target of ``count`` layers: 0 (the embeddings) to ``count`` (its normed output)."""
+    outside = [layer for layer in hidden_layers(args) if not 0 <= layer <= count]
+    if outside:
+        raise DraftsmithError(
+            f"--hidden-layers {','.join(map(str, outside))}: this target has {count} layers; give layers 0 "
+            f"(the embeddings) to {count} (its normed output)"
+        )
+
+
+def check_store_room(args: argparse.Namespace, prompts: list | SelfPromptRequest, output: Path) -> None:
+    """Before any answer: the feature store of every row asked for, each at its longest (--max-length
+    positions), fits the disk that holds --output, besides a store already there (a build that resumes).
+    A store found not to fit only once the answers are written would have cost their hours."""
+    count = prompts.count if isinstance(prompts, SelfPromptRequest) else len(prompts)
+    rows = count * args.samples_per_prompt
+    hidden_size = config_field(args.target, "hidden_size")
+    if hidden_size is None:
+        hidden_size = AutoConfig.from_pretrained(resolve_model(args.target)).get_text_config().hidden_size
+    item = torch.empty((), dtype=teacher_cache.STORAGE_DTYPES[args.store_dtype]).element_size()
+    states = rows * args.max_length * len(hidden_layers(args)) * hidden_size * item
+    needed = states + 6 * args.teacher_cache * rows * min(args.max_new_tokens, args.max_length)
+    stores = output / "feature-store"
+    held = sum(path.stat().st_size for path in stores.rglob("*") if path.is_file()) if stores.is_dir() else 0
+    free = teacher_cache.disk_free(output)
+    if needed > free + held:
+        raise DraftsmithError(
+            f"--hidden-layers: the feature store of {rows} rows may take up to {teacher_cache.size_text(needed)} "
+            f"({args.max_length} positions a row) but the disk holding {output} has {teacher_cache.size_text(free)} "
+            "free; free disk space, or store less (--max-length, fewer --hidden-layers or prompts, --store-dtype)"
+        )
+
+
+@contextmanager
+def disk_full_refused(output: Path) -> Iterator[None]:
+    """A disk that fills up during the build, said in one line: every shard written so far is whole (each is
+    renamed into place once complete), so the same command continues once there is room."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        if not (isinstance(err, OSError) and err.errno == errno.ENOSPC) and "(os error 28)" not in str(err):
+            raise
+        raise DraftsmithError(
+            f"the disk holding {output} is full; free space and run the same command again: it keeps what is "
+            "written and continues"
+        ) from err
 
 
 def hidden_layers(args: argparse.Namespace) -> list[int]:
@@ -355,6 +434,11 @@ def store_plan(args: argparse.Namespace, dtype: str, output: Path) -> tuple[list
     """The folder's rows cut at --max-length, where their feature store goes
     (``teacher_cache.dataset_store``), and what its ``meta.json`` says of how it was made."""
     examples = training_examples(output, args.max_length)
+    if not examples:
+        raise DraftsmithError(
+            f"--max-length {args.max_length} cuts every row of {output} before its answer: nothing to store; "
+            "give a larger --max-length"
+        )
     layers = hidden_layers(args)
     made_by = {"target": args.target, "target_key": teacher_cache.DATASET_TARGET, "dtype": dtype}
     made_by |= {"top_k": args.teacher_cache, "content": teacher_cache.content_digest(unique_examples(examples)[0])}
@@ -448,8 +532,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     output = Path(args.output)
     check_settings(output, settings)  # before the model loads: a refused build fails at once
+    if args.hidden_layers is not None:
+        check_store_room(args, prompts, output)
     tokenizer = load_tokenizer(args.target)
+    with folder_lock(output, "draftsmith data"), disk_full_refused(output):  # one build at a time per folder
+        manifest, store = build(args, group, settings, prompts, tokenizer, (device, dtype))
+    if group.is_main:
+        report(args, output, manifest, store)
+    return 0
+
+
+def build(
+    args: argparse.Namespace,
+    group: ProcessGroup,
+    settings: BuildSettings,
+    prompts: list | SelfPromptRequest,
+    tokenizer,
+    placement: tuple[torch.device, torch.dtype],
+) -> tuple[dict, Path | None]:
+    """The answers, then the teacher cache and the feature store asked for: (the manifest, the store)."""
+    output, (device, dtype), store = Path(args.output), placement, None
     with generation_engine(args, device, dtype, tokenizer) as (engine, eos_ids):
+        if args.hidden_layers is not None and args.engine == "draftsmith":  # a count config.json did not give
+            check_layer_range(args, engine.model.config.get_text_config().num_hidden_layers)
         manifest = build_dataset(
             output,
             Writer(engine, tokenizer, eos_ids),
@@ -468,15 +573,18 @@ def main(argv: list[str] | None = None) -> int:
             store = feature_store(args, engine.model, settings.dtype, output, group)
     if args.hidden_layers is not None and args.engine == "vllm":  # its own server, once the answers' has stopped
         store = vllm_feature_store(args, serve_options(args, device, dtype), dtype, output)
-    if group.is_main:
-        counts = manifest["counts"]
-        print(
-            f"{output}: {counts['rows']} rows, {counts['prompts']} prompts, {counts['answer_tokens']} answer tokens "
-            f"({manifest['seconds']:.0f} s of building in all)\n{json.dumps(counts['rows_by_topic'])}"
-        )
-        if args.teacher_cache is not None:
-            cached = manifest["teacher_cache"][str(args.teacher_cache)]
-            print(f"teacher cache: top {args.teacher_cache} at {cached['tokens']} answer positions, {cached['dtype']}")
-        if args.hidden_layers is not None:
-            print(f"feature store: {store} (layers {args.hidden_layers}, {args.store_dtype})")
-    return 0
+    return manifest, store
+
+
+def report(args: argparse.Namespace, output: Path, manifest: dict, store: Path | None) -> None:
+    """What the folder holds now: rows, prompts, tokens, the teacher cache and the feature store."""
+    counts = manifest["counts"]
+    print(
+        f"{output}: {counts['rows']} rows, {counts['prompts']} prompts, {counts['answer_tokens']} answer tokens "
+        f"({manifest['seconds']:.0f} s of building in all)\n{json.dumps(counts['rows_by_topic'])}"
+    )
+    if args.teacher_cache is not None:
+        cached = manifest["teacher_cache"][str(args.teacher_cache)]
+        print(f"teacher cache: top {args.teacher_cache} at {cached['tokens']} answer positions, {cached['dtype']}")
+    if args.hidden_layers is not None:
+        print(f"feature store: {store} (layers {args.hidden_layers}, {args.store_dtype})")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from draftsmith.checks import check_run_inputs
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.locks import folder_lock
 from draftsmith.train.config import DistillConfig, config_path, load_config, shipped_configs
 from draftsmith.train.loop import train
 
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     cfg = load_config(DistillConfig, config_path(args.config), args.overrides)
     check_run_inputs(cfg)
-    result = train(cfg)
+    with folder_lock(Path(cfg.output_dir), "draftsmith distill"):  # one command at a time writes a run
+        result = train(cfg)
     print(f"run folder: {result.run_dir}")
     return 0

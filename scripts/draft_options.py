@@ -58,6 +58,8 @@ def parse_draft_options(pairs: list[str]) -> dict[str, object]:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
             raise DraftsmithError(f"--draft-option takes KEY=VALUE, got {pair!r}")
+        if key.strip() in options:  # the last one would silently win
+            raise DraftsmithError(f"--draft-option {key.strip()} is given twice; give it once")
         try:
             options[key.strip()] = yaml.safe_load(text)
         except yaml.YAMLError as err:

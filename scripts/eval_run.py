@@ -20,6 +20,7 @@ from draftsmith.options import (
 )
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
+from draftsmith.specdec.locks import folder_lock
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.train.config import load_run_config
 from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
@@ -98,15 +99,17 @@ def main(argv: list[str] | None = None) -> int:
         draft_options=draft_options,
         progress=not args.no_progress,
     )
-    report = evaluate_run(run_dir, settings)
-    print((run_dir / "speedup_report.md").read_text())
-    print(f"best draft: {report['best']} (written to {run_dir / 'best.json'})")
-    if report["best"] is not None:
-        chosen = card_figures(report["results"][report["best"]][str(settings.temperatures[0])])
-        verdict = does_not_pay(f"the best draft, {report['best']},", chosen["speedup"])
-        if verdict is not None:
-            print(f"note: {verdict}")
-    if engine_batch_sizes:  # --engine vllm: the best draft in vLLM beside the bundled decoder
-        engine_run_report(run_dir, report, args, engine_batch_sizes)
-        print((run_dir / ENGINE_REPORT).read_text())
+    # a run being trained is not measured: keep_last could delete a checkpoint under the measurement
+    with folder_lock(run_dir, "draftsmith eval-run"):
+        report = evaluate_run(run_dir, settings)
+        print((run_dir / "speedup_report.md").read_text())
+        print(f"best draft: {report['best']} (written to {run_dir / 'best.json'})")
+        if report["best"] is not None:
+            chosen = card_figures(report["results"][report["best"]][str(settings.temperatures[0])])
+            verdict = does_not_pay(f"the best draft, {report['best']},", chosen["speedup"])
+            if verdict is not None:
+                print(f"note: {verdict}")
+        if engine_batch_sizes:  # --engine vllm: the best draft in vLLM beside the bundled decoder
+            engine_run_report(run_dir, report, args, engine_batch_sizes)
+            print((run_dir / ENGINE_REPORT).read_text())
     return 0

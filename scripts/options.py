@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import math
+import re
 
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.vllm_server import KV_CACHE_VARIABLE, default_kv_cache_gib
@@ -115,6 +116,25 @@ def refuse_repeated(argv: list[str]) -> None:
         if flag in seen and flag not in REPEATABLE:
             raise DraftsmithError(f"{flag} is given twice; give it once")
         seen.add(flag)
+
+
+# A value that starts with a dash but is not a plain number (``-1,2``, ``-1:4``): argparse reads it as an option.
+DASHED_VALUE = re.compile(r"-\d[\d,.:]*")
+
+
+def attach_dashed_values(argv: list[str]) -> list[str]:
+    """``--tree -1,2`` as ``--tree=-1,2``: argparse would take ``-1,2`` for an option and say that
+    ``--tree`` lacks its value; attached, the option's own check judges the value."""
+    joined: list[str] = []
+    for index, token in enumerate(argv):
+        if token == "--":
+            return joined + argv[index:]
+        previous = joined[-1] if joined else ""
+        if previous.startswith("--") and "=" not in previous and DASHED_VALUE.fullmatch(token):
+            joined[-1] = f"{previous}={token}"
+        else:
+            joined.append(token)
+    return joined
 
 
 def check_sampling(temperature: float, top_p: float, what: str = "--temperature") -> None:

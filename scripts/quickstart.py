@@ -20,6 +20,7 @@ from draftsmith.distill.drafts import kind_named
 from draftsmith.options import draft_vocab_option, gammas_option, pace_option, prompt_options
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
+from draftsmith.specdec.locks import folder_lock
 from draftsmith.train import budget, checkpoint
 from draftsmith.train.config import DistillConfig, config_path, dotted_name, load_config
 from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
@@ -78,31 +79,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     gammas = check_before_training(args, cfg, out)
 
-    print(f"[1/3] distilling a draft into {run_dir}")
-    models = RunModels(cfg)  # the config and the target, loaded once for the three stages
-    plan = budget.load_plan(run_dir) if cfg.optim.max_minutes is not None else None
-    last_step = plan.max_steps if plan is not None else cfg.optim.max_steps
-    if not checkpoint.is_complete(run_dir / f"checkpoint-{last_step}"):
-        trained = train(cfg)
-        models.tokenizer = trained.tokenizer
-        models.targets[(str(trained.target.device), trained.target.dtype)] = trained.target
-    print(f"[2/3] measuring the real speedup of every checkpoint on {args.prompts}")
-    settings = RunEvalSettings(
-        args.prompts,
-        gammas=gammas,
-        max_new_tokens=args.max_new_tokens,
-        limit=args.limit,
-        draft_vocab_size=args.draft_vocab,
-        pace=args.pace,
-    )
-    report = evaluate_run(run_dir, settings, models)
-    best = report["best"]
-    if best is None:
-        raise DraftsmithError(f"no draft of {run_dir} could be measured")
-    print(f"[3/3] publishing {best} to {out / 'draft'}")
-    draft_dir = publish(run_dir / best, out / "draft", overwrite=True, models=models)
-    print_summary(run_dir, report, best)
-    print(f"\npublished draft: {draft_dir}\nreport: {run_dir / 'speedup_report.md'}, {run_dir / 'speedup.png'}")
+    with folder_lock(run_dir, "draftsmith quickstart"):  # one command at a time writes the run
+        print(f"[1/3] distilling a draft into {run_dir}")
+        models = RunModels(cfg)  # the config and the target, loaded once for the three stages
+        plan = budget.load_plan(run_dir) if cfg.optim.max_minutes is not None else None
+        last_step = plan.max_steps if plan is not None else cfg.optim.max_steps
+        if not checkpoint.is_complete(run_dir / f"checkpoint-{last_step}"):
+            trained = train(cfg)
+            models.tokenizer = trained.tokenizer
+            models.targets[(str(trained.target.device), trained.target.dtype)] = trained.target
+        print(f"[2/3] measuring the real speedup of every checkpoint on {args.prompts}")
+        settings = RunEvalSettings(
+            args.prompts,
+            gammas=gammas,
+            max_new_tokens=args.max_new_tokens,
+            limit=args.limit,
+            draft_vocab_size=args.draft_vocab,
+            pace=args.pace,
+        )
+        report = evaluate_run(run_dir, settings, models)
+        best = report["best"]
+        if best is None:
+            raise DraftsmithError(f"no draft of {run_dir} could be measured")
+        print(f"[3/3] publishing {best} to {out / 'draft'}")
+        draft_dir = publish(run_dir / best, out / "draft", overwrite=True, models=models)
+        print_summary(run_dir, report, best)
+        print(f"\npublished draft: {draft_dir}\nreport: {run_dir / 'speedup_report.md'}, {run_dir / 'speedup.png'}")
     return 0
 
 

@@ -242,6 +242,14 @@ def context_length(spec: str) -> int | None:
     return int(size) if size is not None else None
 
 
+def config_field(spec: str, name: str) -> int | None:
+    """A size a model spec's config.json gives (``num_hidden_layers``, ``hidden_size``; a multimodal
+    model's from its ``text_config``), read without loading it; None when unknown."""
+    config = spec_config(spec) or {}
+    size = config.get(name, config.get("text_config", {}).get(name))
+    return int(size) if size is not None else None
+
+
 def vocab_size(spec: str) -> int | None:
     """The output vocabulary size of a model spec, read without loading its weights (a folder's
     config.json, a GGUF file's header); None for a hub id or a folder whose config does not say."""
@@ -411,6 +419,7 @@ def load_model(
     source = resolve_model(spec)
     if Path(source).is_dir():
         check_model_files(Path(source))
+        say_custom_code_not_run(Path(source))
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map, max_memory=max_memory)
     except (OSError, ValueError) as err:
@@ -421,6 +430,18 @@ def load_model(
     if device_map is None:
         model = model.to(device)
     return model.eval().requires_grad_(False)
+
+
+def say_custom_code_not_run(folder: Path) -> None:
+    """A model folder whose config.json names code of its own (``auto_map``) is loaded as the plain model
+    type it declares, never by running that code (no ``trust_remote_code``): said on stderr, in one line."""
+    config = read_config(folder) if (folder / "config.json").is_file() else {}
+    if config.get("auto_map"):
+        print(
+            f"note: {folder / 'config.json'} names custom code (auto_map: {', '.join(sorted(config['auto_map']))}); "
+            f"draftsmith runs no code from a model folder: loaded as the plain {config.get('model_type')} it declares",
+            file=sys.stderr,
+        )
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:

@@ -61,19 +61,22 @@ class TreeShape:
         """``"3,2,1,1"`` (fixed) or ``"3,2,1,1:16"`` (dynamic, at most 16 nodes); errors name ``option``."""
         shape, dynamic, budget = text.partition(":")
         try:
-            parsed = cls(tuple(int(b) for b in shape.split(",")), int(budget) if budget else 0)
+            branching, size = tuple(int(b) for b in shape.split(",")), int(budget) if budget else 0
         except ValueError as err:
             raise DraftsmithError(
                 f"{option} takes branching per depth, e.g. 3,2,1,1, optionally :BUDGET for a dynamic tree; got {text!r}"
             ) from err
-        nodes = cls(parsed.branching).max_nodes
-        if dynamic and not 1 <= parsed.budget < nodes:
+        try:
+            nodes = cls(branching).max_nodes
+        except DraftsmithError as err:  # a count below 1: said with the option and the value given
+            raise DraftsmithError(f"{option} {text}: {err}, e.g. 3,2,1,1") from err
+        if dynamic and not 1 <= size < nodes:
             # 0 would keep no node, and a budget of the whole shape or more is the fixed tree.
             raise DraftsmithError(
                 f"{option} {text}: a dynamic tree's budget must be 1 to {nodes - 1} (the shape {shape} has {nodes} "
                 f"nodes); for the fixed tree leave out :{budget}"
             )
-        return parsed
+        return cls(branching, size)
 
     @property
     def text(self) -> str:

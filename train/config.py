@@ -512,6 +512,12 @@ class _Settings:
                 if kind is dict and key.startswith(name + "."):
                     key, inner = name, key[len(name) + 1 :]
                     break
+        if key in SECTIONS and key not in LEGACY_KEYS:  # optim=5: a whole section given one value
+            first = self._section(key).split(", ")[0]
+            raise DraftsmithError(
+                f"overrides: {key} is a section, not a setting; set a key in it, e.g. {key}.{first}={value} "
+                f"(its keys: {self._section(key)})"
+            )
         name = self.name(key, "overrides: ")
         full = f"{name}.{inner}" if inner else name
         if full in given:

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -575,6 +577,23 @@ def read_layout(folder: Path) -> dict:
     return config
 
 
+def read_mask_embedding(path: Path) -> dict:
+    """``mask_embedding.pt``: {mask_token_id, embedding}, read as tensors and numbers only (``weights_only``):
+    a file holding any other pickled object is refused in one line, its code never run."""
+    try:
+        with warnings.catch_warnings():  # a bare pickle draws a protocol warning before the refusal
+            warnings.simplefilter("ignore")
+            mask = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise DraftsmithError(
+            f"{path} holds pickled objects other than tensors, which draftsmith does not load (they could run "
+            "code); publish the draft again, or take the file from its publisher"
+        ) from err
+    if not (isinstance(mask, dict) and isinstance(mask.get("embedding"), torch.Tensor)):
+        raise DraftsmithError(f"{path} is not {{mask_token_id, embedding}}; publish the draft again")
+    return mask
+
+
 def load_layout(folder: Path, target: PreTrainedModel) -> DFlashDraft:
     """The draft saved in ``folder`` for ``target``: every tensor of the layout there, nothing else."""
     config = read_layout(folder)
@@ -598,7 +617,7 @@ def load_layout(folder: Path, target: PreTrainedModel) -> DFlashDraft:
     if set(tensors) != expected:
         missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise DraftsmithError(f"{folder / WEIGHTS}: missing {missing}, unexpected {unexpected}")
-    mask = torch.load(folder / MASK_EMBEDDING, weights_only=True)
+    mask = read_mask_embedding(folder / MASK_EMBEDDING)
     if mask["mask_token_id"] != dflash["mask_token_id"]:
         raise DraftsmithError(f"{folder / MASK_EMBEDDING}: its mask_token_id is not dflash_config's")
     tensors["mask_embedding"] = mask["embedding"]

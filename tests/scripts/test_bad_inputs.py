@@ -6,19 +6,20 @@ paths in a case's arguments are filled in from ``world`` (``{run}``, ``{user}``,
 """
 
 import json
+import pickle
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
-from draftsmith import eval as eval_cmd
-from draftsmith.checks import check_eval_options
 from draftsmith.cli import main
+from draftsmith.distill import teacher_cache
+from draftsmith.distill.drafts import dflash
 from draftsmith.distill.drafts.eagle3 import EagleHead, write_layout
 from draftsmith.distill.drafts.early_exit import EarlyExitDraft
-from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
 from tests.helpers import save_tiny_pair, tiny_llama, tiny_tokenizer
@@ -104,6 +105,39 @@ def damaged(paths: dict) -> None:
     (paths["hub_layout"] / "data").mkdir(parents=True)
     (paths["hub_layout"] / "data" / "train-00000.parquet").write_bytes(b"PAR1")
     (paths["hub_layout"] / "README.md").write_text("---\nconfigs: []\n---\n")
+    untrusted(paths)
+
+
+class Payload:
+    """A pickle that, loaded by an unpickler that runs code, writes a file beside the world's folders."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "a pickle's code ran\n"))
+
+
+def untrusted(paths: dict) -> None:
+    """Folders whose files would run code, or read rows outside them, if taken at their word."""
+    root = paths["root"]
+    card = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path:\n    - {}\n"
+    paths["copied_without_manifest"] = root / "copied-without-manifest"  # a draftsmith data folder, but
+    (paths["copied_without_manifest"] / "data").mkdir(parents=True)
+    (paths["copied_without_manifest"] / "data" / "train-1a2b3c4d-r0-00000.parquet").write_bytes(b"PAR1")
+    text = card.format("data/train-1a2b3c4d-r0-00000.parquet") + "draftsmith:\n  target: tiny\n---\n"
+    (paths["copied_without_manifest"] / "README.md").write_text(text)
+    paths["card_outside"] = root / "card-outside"  # a built dataset whose card lists a file above it
+    (paths["card_outside"] / "data").mkdir(parents=True)
+    manifest = {"settings": {"target": "tiny"}, "complete": True}
+    (paths["card_outside"] / "manifest.json").write_text(json.dumps(manifest))
+    (paths["card_outside"] / "README.md").write_text(card.format("../a-file.txt") + "---\n")
+    paths["pickled_mask"] = root / "pickled-mask"  # a DFlash draft whose mask_embedding.pt is a payload
+    target = AutoModelForCausalLM.from_pretrained(paths["target"])
+    dflash.write_layout(dflash.DFlashDraft(target, 1, [0], 4, 5), paths["pickled_mask"], target_name="tiny")
+    tiny_tokenizer(32).save_pretrained(paths["pickled_mask"])
+    payload = pickle.dumps(Payload(root / "payload-ran.txt"))
+    (paths["pickled_mask"] / dflash.MASK_EMBEDDING).write_bytes(payload)
 
 
 def refused(argv: list[str], world: dict, capsys) -> str:
@@ -222,6 +256,52 @@ CASES = [
         "--engine-kv-cache-gib applies to --engine",
     ),
     ("data_unknown_alias", ["data", "--target", "smollm2", "--output", "{root}/x", "--prompts", "builtin"], "alias"),
+    (
+        "data_hidden_layers_past_the_target",
+        [*BUILTIN, "--teacher-cache", "8", "--hidden-layers", "99"],
+        "--hidden-layers 99: this target has 2 layers; give layers 0 (the embeddings) to 2 (its normed output)",
+    ),
+    (
+        "data_hidden_layers_past_the_target_in_vllm",
+        [*BUILTIN, "--engine", "vllm", "--teacher-cache", "8", "--hidden-layers", "99"],
+        "--hidden-layers 99: this target has 2 layers",
+    ),
+    (
+        "data_store_larger_than_the_disk",  # the test's disk has 20 MB free; up to 44 MB asked for
+        [*BUILTIN, "--teacher-cache", "4", "--hidden-layers", "0,1,2", "--max-length", "4096"],
+        "--hidden-layers: the feature store of 56 rows may take up to 44.4 MB (4096 positions a row) but the disk",
+    ),
+    (
+        "data_tensor_parallel_zero",
+        [*BUILTIN, "--engine", "vllm", "--tensor-parallel-size", "0"],
+        "--tensor-parallel-size must be >= 1 (GPUs or model copies), got 0",
+    ),
+    ("data_data_parallel_zero", [*BUILTIN, "--engine", "vllm", "--data-parallel-size", "0"], "must be >= 1"),
+    (
+        "data_tensor_parallel_without_vllm",
+        [*BUILTIN, "--tensor-parallel-size", "2"],
+        "--tensor-parallel-size applies to --engine vllm (the server it starts); leave it out",
+    ),
+    (
+        "data_max_length_zero",
+        [*BUILTIN, "--teacher-cache", "4", "--hidden-layers", "2", "--max-length", "0"],
+        "--max-length must be >= 1 (tokens a stored row is cut to), got 0",
+    ),
+    (
+        "data_prompts_copied_without_manifest",
+        [*DATA, "--prompts", "{copied_without_manifest}"],
+        "copied-without-manifest was built by draftsmith data but has no manifest.json (copied without it?)",
+    ),
+    (
+        "data_output_copied_without_manifest",
+        [*DATA[:3], "--output", "{copied_without_manifest}", "--prompts", "builtin"],
+        "copied-without-manifest was built by draftsmith data but has no manifest.json",
+    ),
+    (
+        "data_output_card_lists_a_file_outside",
+        [*DATA[:3], "--output", "{card_outside}", "--prompts", "builtin"],
+        "card-outside/README.md lists the data file ../a-file.txt, outside the folder",
+    ),
     # draftsmith distill
     ("distill_without_a_config", ["distill"], "distill needs --config: a YAML file, or a shipped config (smollm2"),
     ("distill_empty_config", ["distill", "--config", "{empty_yaml}"], "empty.yaml is empty; a config says what"),
@@ -254,6 +334,21 @@ CASES = [
         "data.dataset=smollm2-self is not one (a shipped dataset is complete): leave data.allow_incomplete out",
     ),
     ("distill_bad_number", [*DISTILL, "optim.max_steps=ten"], "config optim.max_steps: 'ten' is not a valid int"),
+    (
+        "distill_section_given_a_value",
+        [*DISTILL, "optim=5"],
+        "overrides: optim is a section, not a setting; set a key in it, e.g. optim.lr=5 (its keys: lr, weight_decay",
+    ),
+    (
+        "distill_dataset_copied_without_manifest",
+        [*DISTILL, "data.dataset={copied_without_manifest}"],
+        "copied-without-manifest was built by draftsmith data but has no manifest.json",
+    ),
+    (
+        "distill_dataset_card_lists_a_file_outside",
+        [*DISTILL, "data.dataset={card_outside}"],
+        "card-outside/README.md lists the data file ../a-file.txt, outside the folder; a dataset card names files",
+    ),
     # draftsmith eval-run
     ("eval_run_gamma_zero", [*EVAL_RUN, "--gammas", "0,2"], "--gammas must all be >= 1, got 0,2"),
     ("eval_run_gammas_not_numbers", [*EVAL_RUN, "--gammas", "a,b"], "--gammas must be a comma-separated list"),
@@ -308,7 +403,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_before_any_work(world, capsys, argv, message):
+def test_bad_input_is_one_line_before_any_work(world, capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(teacher_cache, "disk_free", lambda folder: 20_000_000)  # a 20 MB file system
     before = snapshot(world["root"])
     started = time.perf_counter()
     assert message in refused(argv, world, capsys)
@@ -317,15 +413,16 @@ def test_bad_input_is_one_line_before_any_work(world, capsys, argv, message):
 
 
 def test_the_table_covers_every_command():
-    cases = DATA_SAFETY + CASES + EVAL_CASES
+    cases = DATA_SAFETY + CASES + EVAL_CASES + EVAL_MAIN_CASES
     assert len(cases) >= 60
-    commands = {c[1][0] for c in DATA_SAFETY + CASES} | {"eval"}
+    commands = {c[1][0] for c in cases}
     assert commands == {"data", "distill", "eval", "eval-run", "publish", "quickstart"}
 
 
-EVAL = ["--target", "{target}", "--draft", "{draft}", "--prompts", PROMPTS]
+EVAL = ["eval", "--target", "{target}", "--draft", "{draft}", "--prompts", PROMPTS]
 
-# draftsmith eval's own refusals (``checks.check_eval_options``), and the ones its main makes before loading.
+# draftsmith eval's own refusals (``checks.check_eval_options``), before anything loads: the messages may name
+# the world's paths ({file}).
 EVAL_CASES = [
     ("gamma_with_a_tree", [*EVAL, "--gamma", "3", "--tree", "3,2"], "--gamma sets a chain's length and --tree"),
     ("tree_budget_zero", [*EVAL, "--tree", "3,2:0"], "a dynamic tree's budget must be 1 to 8"),
@@ -337,8 +434,8 @@ EVAL_CASES = [
     ("json_is_a_folder", [*EVAL, "--json", "{folder}"], "a-folder is a folder, not a file: give a file path"),
     ("draft_vocab_above_vocab", [*EVAL, "--draft-vocab", "32"], "not smaller than the model's vocabulary (32"),
     ("repeats_zero", [*EVAL, "--repeats", "0"], "--repeats must be >= 1, got 0"),
-    ("prompts_folder", [*EVAL[:4], "--prompts", "{folder}"], "a-folder is a folder; give a JSONL file"),
-    ("prompts_dev_null", [*EVAL[:4], "--prompts", "/dev/null"], "/dev/null is not a regular file"),
+    ("prompts_folder", [*EVAL[:5], "--prompts", "{folder}"], "a-folder is a folder; give a JSONL file"),
+    ("prompts_dev_null", [*EVAL[:5], "--prompts", "/dev/null"], "/dev/null is not a regular file"),
     (
         "temperature_inf",
         [*EVAL, "--temperature", "inf"],
@@ -346,63 +443,72 @@ EVAL_CASES = [
     ),
     ("top_p_zero", [*EVAL, "--temperature", "1", "--top-p", "0"], "--top-p must be in (0, 1]"),
     ("gamma_beyond_context", [*EVAL, "--gamma", "100000"], "does not fit the target's context (1024 tokens)"),
-    ("draft_config_cut_off", [*EVAL[:2], "--draft", "{cut_config}"], "config.json is not valid JSON (damaged or cut"),
+    ("draft_config_cut_off", [*EVAL[:3], "--draft", "{cut_config}"], "config.json is not valid JSON (damaged or cut"),
     (
         "draft_config_not_its_weights",
-        [*EVAL[:2], "--draft", "{more_layers}"],
+        [*EVAL[:3], "--draft", "{more_layers}"],
         "config.json does not match its weights (its config describes 30 layers and its weights hold 2)",
     ),
+    ("guess_tokens_huge", [*EVAL, "--guess-tokens", "100000"], "--guess-tokens must be 1 to 64 (lookup tokens a"),
+    ("guess_tokens_zero", [*EVAL, "--guess-tokens", "0"], "--guess-tokens must be 1 to 64"),
+    ("guess_tokens_beyond_context", [*EVAL, "--guess-tokens", "64", "--max-new-tokens", "990"], "does not fit"),
+    (
+        "draft_option_given_twice",
+        [*EVAL, "--draft-option", "kv_reuse=true", "--draft-option", "kv_reuse=false"],
+        "--draft-option kv_reuse is given twice; give it once",
+    ),
+    ("tree_of_a_negative_count", [*EVAL, "--tree", "-1,2"], "--tree -1,2: tree branching must be a list of counts"),
+    ("tree_negative_budget", [*EVAL, "--tree", "2,2:-3"], "--tree 2,2:-3: a dynamic tree's budget must be 1 to 5"),
 ]
-
-
-def eval_checks(argv: list[str]) -> int:
-    """``draftsmith eval``'s option checks as the command line runs them: exit 2 and one line."""
-    try:
-        check_eval_options(eval_cmd.build_parser().parse_args(argv))
-    except DraftsmithError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
 
 
 @pytest.mark.parametrize("argv, message", [c[1:] for c in EVAL_CASES], ids=[c[0] for c in EVAL_CASES])
 def test_eval_options_are_refused_before_loading(world, capsys, argv, message):
-    code = eval_checks([arg.format(**world) for arg in argv])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and message.format(**world) in err, err
+    before = snapshot(world["root"])
+    started = time.perf_counter()
+    assert message.format(**world) in refused(argv, world, capsys)
+    assert time.perf_counter() - started < 10
+    assert snapshot(world["root"]) == before
 
 
 # What eval's main refuses itself before any model loads.
 EVAL_MAIN_CASES = [
     ("unknown_alias", ["eval", "--target", "smollm2-135", "--draft", "self"], "did you mean smollm2-135m-instruct?"),
-    ("tree_budget_zero", ["eval", *EVAL, "--tree", "3,2:0"], "budget must be 1 to 8"),
-    ("prompts_bad_json", ["eval", *EVAL[:4], "--prompts", "{badjson}"], "bad.jsonl, line 2: not valid JSON"),
-    ("engine_batch_zero", ["eval", *EVAL, "--engine", "vllm", "--engine-batch-sizes", "0"], "must be >= 1"),
-    ("gamma_given_twice", ["eval", *EVAL, "--gamma", "2", "--gamma", "3"], "--gamma is given twice; give it once"),
-    ("engine_batch_without_vllm", ["eval", *EVAL, "--engine-batch-sizes", "1"], "applies to --engine vllm"),
-    ("kv_cache_without_vllm", ["eval", *EVAL, "--engine-kv-cache-gib", "4"], "--engine-kv-cache-gib applies to"),
-    ("draft_config_cut_off", ["eval", *EVAL[:2], "--draft", "{cut_config}"], "is not valid JSON (damaged or cut off)"),
+    ("tree_budget_zero", [*EVAL, "--tree", "3,2:0"], "budget must be 1 to 8"),
+    ("prompts_bad_json", [*EVAL[:5], "--prompts", "{badjson}"], "bad.jsonl, line 2: not valid JSON"),
+    ("engine_batch_zero", [*EVAL, "--engine", "vllm", "--engine-batch-sizes", "0"], "must be >= 1"),
+    ("gamma_given_twice", [*EVAL, "--gamma", "2", "--gamma", "3"], "--gamma is given twice; give it once"),
+    ("engine_batch_without_vllm", [*EVAL, "--engine-batch-sizes", "1"], "applies to --engine vllm"),
+    ("kv_cache_without_vllm", [*EVAL, "--engine-kv-cache-gib", "4"], "--engine-kv-cache-gib applies to"),
+    ("draft_config_cut_off", [*EVAL[:3], "--draft", "{cut_config}"], "is not valid JSON (damaged or cut off)"),
     (
         "eagle3_head_of_another_target",
-        ["eval", *EVAL[:2], "--draft", "{eagle_of_another}", "--prompts", PROMPTS, "--limit", "1"],
+        [*EVAL[:3], "--draft", "{eagle_of_another}", "--prompts", PROMPTS, "--limit", "1"],
         "is an EAGLE-3 head for the target other-tiny (hidden size 64), not for this one (hidden size 32, 2 layers)",
     ),
     (
         "early_exit_draft_of_another_target",
-        ["eval", *EVAL[:2], "--draft", "{exit_of_another}", "--prompts", PROMPTS, "--limit", "1"],
+        [*EVAL[:3], "--draft", "{exit_of_another}", "--prompts", PROMPTS, "--limit", "1"],
         "is an early-exit draft of the target other-tiny, whose layers it shares; this target is another",
+    ),
+    (
+        "dflash_mask_embedding_holding_a_pickle",  # refused, and the payload's file is never written
+        [*EVAL[:3], "--draft", "{pickled_mask}", "--prompts", PROMPTS, "--limit", "1"],
+        "mask_embedding.pt holds pickled objects other than tensors, which draftsmith does not load",
     ),
 ]
 
 
 @pytest.mark.parametrize("argv, message", [c[1:] for c in EVAL_MAIN_CASES], ids=[c[0] for c in EVAL_MAIN_CASES])
 def test_eval_refuses_before_loading(world, capsys, argv, message):
+    before = snapshot(world["root"])
     assert message in refused(argv, world, capsys)
+    assert snapshot(world["root"]) == before
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["eval", *EVAL, "--engine", "vllm"], [*EVAL_RUN, "--engine", "vllm"], [*BUILTIN, "--engine", "vllm"]],
+    [[*EVAL, "--engine", "vllm"], [*EVAL_RUN, "--engine", "vllm"], [*BUILTIN, "--engine", "vllm"]],
     ids=["eval", "eval-run", "data"],
 )
 def test_an_engine_environment_without_vllm_is_refused_before_any_work(world, capsys, monkeypatch, argv):
@@ -415,6 +521,25 @@ def test_an_engine_environment_without_vllm_is_refused_before_any_work(world, ca
     assert f"{python} has no vLLM (import vllm fails)" in refused(argv, world, capsys)
     assert time.perf_counter() - started < 10
     assert snapshot(world["root"]) == before
+
+
+def test_a_draft_folders_custom_code_is_named_and_never_run(world, tmp_path, capsys):
+    """A draft whose config.json maps the model to code of its own (``auto_map``) measures as the plain
+    Llama it declares, with one line saying the code was not run."""
+    draft = tmp_path / "custom-code"
+    shutil.copytree(world["draft"], draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "custom.Config", "AutoModelForCausalLM": "custom.Model"}
+    (draft / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "custom-code-ran.txt"
+    (draft / "custom.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
+    before = snapshot(draft)
+    argv = [*EVAL[:3], "--draft", str(draft), "--prompts", PROMPTS, "--limit", "1", "--max-new-tokens", "4"]
+    assert main([arg.format(**world) for arg in [*argv, "--repeats", "1", "--no-progress"]]) == 0
+    err = capsys.readouterr().err
+    note = "names custom code (auto_map: AutoConfig, AutoModelForCausalLM); draftsmith runs no code from a model folder"
+    assert note in err and "loaded as the plain llama it declares" in err, err
+    assert not marker.exists() and snapshot(draft) == before
 
 
 # Settings a kind can judge only against the models it builds: refused before the first training step.

@@ -145,7 +145,7 @@ def test_sampling_batched_all_turns(pair, prompts, tmp_path):
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--temperature", "1", "--top-p", "1.5"], "top-p must be in (0, 1]"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
-        (["--guess-tokens", "0"], "--guess-tokens must be >= 1, got 0 (no guesses: --no-guesses)"),
+        (["--guess-tokens", "0"], "--guess-tokens must be 1 to 64 (lookup tokens a round verifies), got 0"),
         (["--max-new-tokens", "100000"], "exceeds the model's context of 256 tokens"),
     ],
 )

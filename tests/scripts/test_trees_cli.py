@@ -84,7 +84,7 @@ def test_a_draft_equal_to_the_target_fills_the_fixed_shape_every_round(pair, pro
         (["--tree", "3,x"], "--tree takes branching per depth, e.g. 3,2,1,1"),
         (["--tree", ""], "--tree takes branching per depth"),
         (["--tree", "3,0"], "tree branching must be a list of counts >= 1, got [3, 0]"),
-        (["--tree", "3,2:-1"], "tree budget must be >= 0"),
+        (["--tree", "3,2:-1"], "--tree 3,2:-1: a dynamic tree's budget must be 1 to 8"),
         (["--tree", "3,2", "--batch-size", "2"], "--tree decodes one prompt at a time"),
         (["--tree", "3", "--confidence-threshold", "0.5"], "--confidence-threshold cuts chains"),
     ],
