@@ -106,7 +106,8 @@ def profile_lines(profile: dict) -> list[str]:
     for temp, a in profile["acceptance"].items():
         at = f"token tree {a['tree']}" if a["tree"] else f"gamma {a['gamma']}"
         lines.append(
-            f"Temperature {temp}, {at}: acceptance rate {a['acceptance_rate']:.3f}, speedup {a['speedup']:.2f}x."
+            f"Temperature {temp}, {at}: acceptance rate {figure(a['acceptance_rate'], '.3f')}, "
+            f"speedup {figure(a['speedup'], '.2f', 'x')}."
         )
         lines.append("")
         if a["acceptance_by_position"]:
@@ -114,14 +115,13 @@ def profile_lines(profile: dict) -> list[str]:
             lines += [
                 "| draft position | " + " | ".join(str(i + 1) for i in range(len(positions))) + " |",
                 "|---|" + "---|" * len(positions),
-                "| acceptance | " + " | ".join(f"{x:.3f}" for x in positions) + " |",
+                "| acceptance | " + " | ".join(figure(x, ".3f") for x in positions) + " |",
                 "",
             ]
         if a["by_category"]:
             lines += ["| category | acceptance rate | speedup |", "|---|---|---|"]
             for name, figures in sorted(a["by_category"].items()):
-                rate = "-" if figures["acceptance_rate"] is None else f"{figures['acceptance_rate']:.3f}"
-                speed = "-" if figures["speedup"] is None else f"{figures['speedup']:.2f}x"
+                rate, speed = figure(figures["acceptance_rate"], ".3f"), figure(figures["speedup"], ".2f", "x")
                 lines.append(f"| {name} | {rate} | {speed} |")
             lines.append("")
     if any(a["acceptance_by_position"] for a in profile["acceptance"].values()):
@@ -129,6 +129,12 @@ def profile_lines(profile: dict) -> list[str]:
     lines += [f"`{PROFILE}` holds these figures with the target's weight digest, the dataset, the config and the "
               "machine and settings they were measured under.", ""]  # fmt: skip
     return lines
+
+
+def figure(value: float | None, spec: str, unit: str = "") -> str:
+    """A measured figure as the card prints it; "-" where it was not measured (a run that never drafted
+    has no acceptance rate, a position no round reached none either, a NaN where nothing was timed)."""
+    return "-" if value is None or value != value else f"{value:{spec}}{unit}"
 
 
 def profile_target(folder: Path) -> str | None:

@@ -324,10 +324,14 @@ def test_hidden_layers_vllm_cannot_give_are_refused_before_any_work(tmp_path, ca
     assert main(builtin_args(out, "--engine", "vllm", "--engine-url", f"http://{HOST}:9", *store)) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "--hidden-layers with --engine vllm needs a server draftsmith starts" in err
+    # 31 is past the target's layers for any engine; 30 (its normed output) is one only draftsmith gives
     assert main(builtin_args(out, "--engine", "vllm", "--teacher-cache", "4", "--hidden-layers", "2,30,31")) == 2
     err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "--hidden-layers 31: this target has 30 layers" in err
+    assert main(builtin_args(out, "--engine", "vllm", "--teacher-cache", "4", "--hidden-layers", "2,30")) == 2
+    err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err]
-    assert "--hidden-layers 30,31 with --engine vllm: vLLM gives the states entering layers 0 to 29" in err
+    assert "--hidden-layers 30 with --engine vllm: vLLM gives the states entering layers 0 to 29" in err
     assert not out.exists()  # nothing was answered, cached or started
 
 

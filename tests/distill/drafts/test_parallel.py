@@ -751,6 +751,7 @@ def test_eval_run_charges_a_parallel_round_one_draft_forward(target, draft):
     figures = {"acceptance_rate", "mean_accepted_tokens", "cost_ratio_c", "verify_ratio_v", "predicted_speedup"}
     figures |= {"speedup", "target_tokens_per_s", "spec_tokens_per_s", "greedy_match", "speedup_spread"}
     figures |= {"paused_share", "acceptance_by_position", "guesses", "guesses_accepted", "lookup_rounds"}
+    figures |= {"by_category"}  # acceptance and speedup per prompt category
     written = json.loads(json.dumps(report.to_json()))
     assert set(written) == figures | {"temperature", "best_gamma", "measured_cost_ratio", "alpha_per_position"} | {
         "base_gamma",
