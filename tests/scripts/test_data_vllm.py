@@ -37,7 +37,7 @@ from draftsmith.distill.engines import (
 )
 from draftsmith.distill.teacher_cache import Store
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
+from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer, resolve_model
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.specdec.vllm_server import (
     HOST,
@@ -325,6 +325,8 @@ def test_hidden_layers_vllm_cannot_give_are_refused_before_any_work(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "--hidden-layers with --engine vllm needs a server draftsmith starts" in err
     # 31 is past the target's layers for any engine; 30 (its normed output) is one only draftsmith gives
+    resolve_model("smollm2-135m-instruct")  # the layer count is read from its config: converted once, first
+    capsys.readouterr()
     assert main(builtin_args(out, "--engine", "vllm", "--teacher-cache", "4", "--hidden-layers", "2,30,31")) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "--hidden-layers 31: this target has 30 layers" in err
