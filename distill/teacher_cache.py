@@ -460,27 +460,17 @@ def stored_digests(folder: Path) -> list[bytes]:
 class StoredEntries(Mapping):
     """The top-k entries of a store's examples by content digest, each read from its shard when asked
     (memory-mapped slices): a process holds where each example lies, not the entries, so its memory
-    does not grow with the store. ``entries[digest]`` -> (indices (N, k), log-probs (N, k))."""
+    does not grow with the store. ``entries[digest]`` -> (indices (N, k), log-probs (N, k)).
 
-    def __init__(self, folder: Path, names: list[str]):
-        self.folder = folder
-        self.where: dict[bytes, tuple[str, int, int]] = {}  # digest -> (shard file, first loss row, rows)
-        for name in names:
-            with safe_open(folder / name, framework="pt") as f:
-                digests, counts = f.get_tensor("digests").tolist(), f.get_tensor("counts").tolist()
-            starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
-            for row, count in enumerate(counts):
-                self.where[bytes(digests[row])] = (name, starts[row], count)
-        self.files: dict[str, object] = {}
+    where: digest -> (shard file, first loss row, loss rows); shard: a shard file's open handle."""
+
+    def __init__(self, where: dict[bytes, tuple[str, int, int]], shard: Callable[[str], object]):
+        self.where, self.shard = where, shard
 
     def __getitem__(self, digest: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         name, start, count = self.where[digest]
-        if name not in self.files:
-            self.files[name] = safe_open(self.folder / name, framework="pt")
-        f = self.files[name]
-        return f.get_slice("indices")[start : start + count].long(), f.get_slice("logprobs")[
-            start : start + count
-        ].float()
+        rows, f = slice(start, start + count), self.shard(name)
+        return f.get_slice("indices")[rows].long(), f.get_slice("logprobs")[rows].float()
 
     def __contains__(self, digest: object) -> bool:
         return digest in self.where
@@ -507,21 +497,32 @@ class ExampleEntries(Sequence):
 
 class Store:
     """A complete store read back: its top-k entries and hidden states read from memory-mapped slices
-    of its shards at each batch, never all held at once."""
+    of its shards at each batch, never all held at once. Opening it reads each shard's index (digests,
+    loss rows and lengths per example) once; a shard's handle is opened the first time a batch needs it."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.meta = json.loads((folder / "meta.json").read_text())
         self.layers: tuple[int, ...] = tuple(self.meta.get("layers", ()))
-        self.entries = StoredEntries(folder, shard_files(folder))
+        self.files: dict[str, object] = {}  # shard file -> its open handle
+        entries_at: dict[bytes, tuple[str, int, int]] = {}  # digest -> (shard file, first loss row, loss rows)
         self.where: dict[bytes, tuple[str, int, int]] = {}  # digest -> (shard file, first row, length)
-        for name in shard_files(folder) if self.layers else []:
+        for name in shard_files(folder):
             with safe_open(folder / name, framework="pt") as f:
-                digests, lengths = f.get_tensor("digests"), f.get_tensor("lengths").tolist()
-            starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-            for row, length in enumerate(lengths):
-                self.where[bytes(digests[row].tolist())] = (name, starts[row], length)
-        self.files: dict[str, object] = {}
+                digests = [bytes(d) for d in f.get_tensor("digests").tolist()]
+                counts = f.get_tensor("counts").tolist()
+                lengths = f.get_tensor("lengths").tolist() if self.layers else []
+            for at, sizes in ((entries_at, counts), (self.where, lengths)):
+                starts = [0, *torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()]
+                for row, size in enumerate(sizes):
+                    at[digests[row]] = (name, starts[row], size)
+        self.entries = StoredEntries(entries_at, self.shard)
+
+    def shard(self, name: str):
+        """The open (memory-mapped) handle of the shard file ``name``."""
+        if name not in self.files:
+            self.files[name] = safe_open(self.folder / name, framework="pt")
+        return self.files[name]
 
     def lookup(self, examples: list[dict]) -> ExampleEntries:
         """The top-k entries of ``examples``, in their order, each read when indexed; a missing one is an error."""
@@ -549,27 +550,9 @@ class Store:
         out = {layer: torch.zeros(len(digests), width, size, dtype=dtype) for layer in layers}
         for row, digest in enumerate(digests):
             name, start, length = self.where[digest]
-            if name not in self.files:
-                self.files[name] = safe_open(self.folder / name, framework="pt")
             for layer in layers:
-                out[layer][row, :length] = self.files[name].get_slice(f"hidden.{layer}")[start : start + length]
+                out[layer][row, :length] = self.shard(name).get_slice(f"hidden.{layer}")[start : start + length]
         return {layer: states.to(device) for layer, states in out.items()}
-
-
-def lookup(folder: Path, examples: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The cache entries of ``examples``, in their order, found by content; a missing one is an error."""
-    return found_entries(folder, dict(read_entries(folder)), examples)
-
-
-def found_entries(folder: Path, by_digest: dict, examples: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The entries of ``examples`` in ``by_digest``, in their order; a missing one is an error."""
-    found = [by_digest.get(example_digest(e)) for e in examples]
-    if any(entry is None for entry in found):
-        raise DraftsmithError(
-            f"the teacher cache {folder} lacks {sum(e is None for e in found)} of these examples; delete the "
-            "folder to rebuild it"
-        )
-    return found
 
 
 def dense_teacher_logprobs(

@@ -55,7 +55,7 @@ def test_a_stores_entries_are_read_from_its_shards_when_asked(tmp_path, target):
         "shard-00000.safetensors",
         "shard-00001.safetensors",
     }
-    assert store.entries.files == {}  # nothing read yet
+    assert store.files == {}  # no shard opened for reading yet
     every = dict(teacher_cache.read_entries(folder))
     assert len(store.entries) == 3 and set(store.entries) == set(every)
     looked_up = store.lookup([EXAMPLES[2], EXAMPLES[0], EXAMPLES[2]])
