@@ -120,7 +120,7 @@ def test_lean_step_loss_and_gradients_equal_the_old_formula(models, source, cut,
     entries = None
     if cached:
         folder = teacher_cache.folder_for(train_examples.target_name(cfg), target.dtype, train, 8)
-        entries = teacher_cache.lookup(folder, train)
+        entries = teacher_cache.Store(folder).lookup(train)
 
     old = old_step_loss(cfg, draft, target, batch, ids, old_teacher(cfg, target, batch, ids, entries))
     old.backward()

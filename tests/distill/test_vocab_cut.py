@@ -123,7 +123,7 @@ def test_cache_is_named_by_content_and_entries_are_found_by_content(tmp_path):
     folder = teacher_cache.build(model, examples, tmp_path / key, top_k=3, batch_size=2, progress=False)
     meta = (folder / "meta.json").read_text()
     assert '"examples": 2' in meta and '"tokens": 4' in meta
-    second, first = teacher_cache.lookup(folder, [examples[1], examples[0]])
+    second, first = teacher_cache.Store(folder).lookup([examples[1], examples[0]])
     assert first[0].shape == (3, 3) and second[0].shape == (1, 3)
     with torch.no_grad():
         logits = model(torch.tensor([examples[0]["input_ids"]])).logits[0, 1:4]  # its 3 loss positions
@@ -131,4 +131,4 @@ def test_cache_is_named_by_content_and_entries_are_found_by_content(tmp_path):
     assert first[0].tolist() == want.indices.tolist()
     torch.testing.assert_close(first[1], want.values, atol=1e-3, rtol=0)  # float16 in the cache
     with pytest.raises(DraftsmithError, match="lacks 1 of these examples"):
-        teacher_cache.lookup(folder, [{"input_ids": [0, 2, 1], "loss_mask": [0, 1, 0]}])
+        teacher_cache.Store(folder).lookup([{"input_ids": [0, 2, 1], "loss_mask": [0, 1, 0]}])
