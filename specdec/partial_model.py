@@ -4,7 +4,7 @@ A run fed by a feature store never runs its target: a draft copies the target's 
 norm, head and a few layers at initialisation, and held-out metrics apply its head to stored rows.
 So the target is built as a *skeleton* (every parameter on the meta device, costing no memory; the
 buffers, such as rotary frequencies, computed as usual) and only the modules asked for are read
-from the checkpoint's safetensors files (``load_modules``). For a 70B target that is about 2 GB
+from the checkpoint's safetensors files (``PartialModel.load``). For a 70B target that is about 2 GB
 instead of 140 GB.
 
 The rest, the *body*, loads the first time anything runs through a module that has none of its
@@ -42,7 +42,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointFiles:
-    """Where each tensor of a checkpoint lies: ``file_of(name)`` -> a local safetensors path.
+    """Where each tensor of a checkpoint lies (``files``: tensor name -> file name) and how to read them.
 
     source: a local model folder or a hub id (its files are fetched into the hub cache on first use)."""
 
@@ -78,9 +78,6 @@ class CheckpointFiles:
             if required:
                 raise DraftsmithError(f"the hub model {self.source} has no {name}") from None
             return None
-
-    def names(self) -> set[str]:
-        return set(self.files)
 
     def read(self, names: dict[str, torch.dtype], device: torch.device) -> dict[str, torch.Tensor]:
         """The tensors ``names`` ({name: dtype}) on ``device``, each file opened once (memory-mapped: a
@@ -169,8 +166,7 @@ class PartialModel:
         """Read the parameters ``wanted`` (their ids) in ``dtype`` (None: each in its skeleton's dtype)."""
         if not wanted:
             return
-        sites = parameter_sites(self.model)
-        known = self.files.names()
+        sites, known = parameter_sites(self.model), self.files.files  # known: the checkpoint's tensor names
         names, dtypes = {}, {}
         for key in wanted:
             stored = [name for _, _, name in sites[key] if name in known]  # a tied parameter is stored once
@@ -229,7 +225,7 @@ def load_whole(model: nn.Module) -> None:
 
 def load_partial(source: str, device: torch.device, dtype: torch.dtype) -> PartialModel:
     """The skeleton of ``source`` (a local folder or hub id, as ``loading.resolve_model`` gives it)
-    with no weights read yet, its parameters in ``dtype`` once read (``model.to(dtype)`` changes that
+    with no weights read yet, its parameters in ``dtype`` once read (``cast_parameters`` changes that
     for those not read yet)."""
     model = skeleton(source, dtype)
     for module in model.modules():

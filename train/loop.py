@@ -392,9 +392,14 @@ def decoding_draft(draft, head_ids: torch.Tensor | None):
     return draft_vocab.SubsetHeadDraft(draft, head_ids.tolist())
 
 
-def sharded_forward(run: Run) -> TeacherForward | None:
-    """The teacher's forward when it is sharded (held-out metrics then run the target through it)."""
-    return run.teacher.forward if run.teacher.sharded else None
+def run_heldout_metrics(run: Run) -> dict:
+    """``heldout_metrics`` of the run's draft, with the run's memo, its held-out teacher from the store
+    when it has one, and the teacher's forward when it is sharded (every process then runs it)."""
+    forward = run.teacher.forward if run.teacher.sharded else None
+    head = loss_head(run)
+    return heldout_metrics(
+        run.draft, run.target, run.heldout, run.accelerator, head, run.heldout_memo, run.heldout_teacher, forward
+    )
 
 
 def loss_head(run: Run) -> LossHead:
@@ -460,9 +465,7 @@ def start(run: Run) -> None:
     if accelerator.is_main_process:
         for name in LOGS[:2]:
             (run.run_dir / name).unlink(missing_ok=True)
-    held = (run.heldout_memo, run.heldout_teacher, sharded_forward(run))
-    heldout = heldout_metrics(run.draft, run.target, run.heldout, accelerator, loss_head(run), *held)
-    run.last_metrics = {"step": 0, **heldout}
+    run.last_metrics = {"step": 0, **run_heldout_metrics(run)}
     state = accelerator.get_state_dict(run.draft)  # a collective: every process takes part
     if accelerator.is_main_process:
         log(run.run_dir / "metrics.jsonl", run.last_metrics)
@@ -571,8 +574,7 @@ def on_step_end(run: Run, loss: float, tokens: int) -> None:
 def log_heldout(run: Run) -> None:
     """Held-out acceptance next to the loss, learning rate and throughput since the last record."""
     elapsed = time.perf_counter() - run.window_start  # training time only, before the held-out evaluation
-    held = (run.heldout_memo, run.heldout_teacher, sharded_forward(run))
-    metrics = heldout_metrics(run.draft, run.target, run.heldout, run.accelerator, loss_head(run), *held)
+    metrics = run_heldout_metrics(run)
     run.last_metrics = {
         "step": run.step,
         "loss": run.window_loss / (run.step % run.cfg.log.steps or run.cfg.log.steps),
@@ -674,19 +676,16 @@ def heldout_metrics(
     layers = head.kind.teacher_layers(head.model)
     was_training = draft.training
     draft.eval()
+    read = functools.partial(heldout_teacher_rows, head.ids, accelerator.device)  # (target, rows) -> TeacherRows
     for index, batch in enumerate(loader):
         rows = vocab_cut.loss_rows(batch["loss_mask"])  # (M,)
         if stored is not None:
             teacher = stored(batch, rows)
-            p = teacher.log_probs  # (M, N or V)
         elif forward is not None:
-            read = functools.partial(heldout_teacher_rows, head.ids, accelerator.device)
             teacher = forward(batch, rows, layers, read)
-            p = teacher.log_probs
         else:
-            target_out = frozen_target_rows(target, batch, rows, layers, memo, index)
-            p = vocab_cut.head_log_probs(target, target_out.hidden, head.ids).to(accelerator.device)  # (M, N or V)
-            teacher = TeacherRows(p, target_out.layers)
+            teacher = read(target, frozen_target_rows(target, batch, rows, layers, memo, index))
+        p = teacher.log_probs  # (M, N or V)
         predicted = draft_predictions(draft, batch, rows, teacher, head)
         q = predicted.logits if predicted.teacher_rows is None else predicted.logits[: len(rows)]  # step 0 first
         a = row_acceptance(q, p)  # (M,)

@@ -95,9 +95,8 @@ class RunModels:
         key = (str(device), dtype)
         if key not in self.targets:
             same_device = [model for (where, _), model in self.targets.items() if where == str(device)]
-            for model in same_device:  # a training run's target may hold only what its draft read
-                load_whole(model)
             if same_device:
+                load_whole(same_device[0])  # a training run's target may hold only what its draft read
                 self.targets[key] = cast_parameters(copy.deepcopy(same_device[0]), dtype)
             else:
                 self.targets[key], self.tokenizer = load_target(self.cfg, device, dtype)
