@@ -336,7 +336,7 @@ def check_options(args: argparse.Namespace) -> None:
         if count is not None:  # else checked once the target loads, still before any answer
             check_layer_range(args, count)
         if args.engine == "vllm":
-            check_vllm_layers(args)
+            check_vllm_layers(args, target_size(args.target, "num_hidden_layers"))
     check_parallel_sizes(args)
     check_engine_options(args)
     check_writable(Path(args.output), f"--output {args.output}", folder=True)
@@ -377,9 +377,7 @@ def check_store_room(args: argparse.Namespace, prompts: list | SelfPromptRequest
     A store found not to fit only once the answers are written would have cost their hours."""
     count = prompts.count if isinstance(prompts, SelfPromptRequest) else len(prompts)
     rows = count * args.samples_per_prompt
-    hidden_size = config_field(args.target, "hidden_size")
-    if hidden_size is None:
-        hidden_size = AutoConfig.from_pretrained(resolve_model(args.target)).get_text_config().hidden_size
+    hidden_size = target_size(args.target, "hidden_size")
     item = torch.empty((), dtype=teacher_cache.STORAGE_DTYPES[args.store_dtype]).element_size()
     states = rows * args.max_length * len(hidden_layers(args)) * hidden_size * item
     needed = states + 6 * args.teacher_cache * rows * min(args.max_new_tokens, args.max_length)
@@ -417,11 +415,20 @@ def hidden_layers(args: argparse.Namespace) -> list[int]:
         raise DraftsmithError(f"--hidden-layers takes layer numbers like 2,15,27, got {args.hidden_layers!r}") from err
 
 
-def check_vllm_layers(args: argparse.Namespace) -> None:
-    """Refuse --hidden-layers that vLLM's extract_hidden_states does not give as draftsmith stores them: it
-    gives the residual entering layers 0 to n - 1, and after the last layer the residual before the final
-    norm, where draftsmith's layer n is the normed output."""
-    count = AutoConfig.from_pretrained(resolve_model(args.target)).get_text_config().num_hidden_layers
+def target_size(target: str, name: str) -> int:
+    """A size of the target's config (``num_hidden_layers``, ``hidden_size``): read from its config.json
+    without loading it where it says (``loading.config_field``), else as transformers reads its config (a
+    GGUF file converted once)."""
+    size = config_field(target, name)
+    if size is None:
+        size = AutoConfig.from_pretrained(resolve_model(target)).get_text_config().to_dict()[name]
+    return size
+
+
+def check_vllm_layers(args: argparse.Namespace, count: int) -> None:
+    """Refuse --hidden-layers that vLLM's extract_hidden_states does not give as draftsmith stores them for
+    a target of ``count`` layers: it gives the residual entering layers 0 to n - 1, and after the last layer
+    the residual before the final norm, where draftsmith's layer n is the normed output."""
     outside = [layer for layer in hidden_layers(args) if not 0 <= layer < count]
     if outside:
         raise DraftsmithError(
@@ -477,7 +484,7 @@ def vllm_feature_store(args: argparse.Namespace, options: ServeOptions, dtype: t
     stored, next_shard = teacher_cache.stored_rows(folder)
     digests, unique = unique_examples(examples)
     todo = [(digest, example) for digest, example in zip(digests, unique, strict=True) if digest not in stored]
-    hidden_size = AutoConfig.from_pretrained(resolve_model(args.target)).get_text_config().hidden_size
+    hidden_size = target_size(args.target, "hidden_size")
     needed = teacher_cache.store_bytes([e for _, e in todo], args.teacher_cache, layers, hidden_size, store_dtype)
     needed += staging_bytes([e for _, e in todo], layers, hidden_size, dtype, args.batch_size)
     teacher_cache.check_space(folder, needed)
