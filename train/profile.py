@@ -49,9 +49,10 @@ def dataset_provenance(cfg: DistillConfig) -> dict:
     return out
 
 
-def draft_profile(cfg: DistillConfig, ckpt: Path, report: dict | None, results: dict, target) -> dict:
+def draft_profile(cfg: DistillConfig, ckpt: Path, report: dict, results: dict, target) -> dict:
     """The profile of checkpoint ``ckpt``: ``results`` its figures per temperature as its card gives
-    them (``speedup.card_figures``), ``report`` the run's eval-run report (None: never measured)."""
+    them (``speedup.card_figures``), ``report`` the run's eval-run report as ``speedup.load_report`` reads
+    it (without ``temperatures`` when the run was never measured)."""
     acceptance = {
         temp: {
             "gamma": r["best_gamma"],
@@ -64,8 +65,9 @@ def draft_profile(cfg: DistillConfig, ckpt: Path, report: dict | None, results: 
         }
         for temp, r in results.items()
     }
-    under = {key: report.get(key) for key in MEASURED_UNDER} if report else {}
-    machine = {"hardware": report.get("hardware"), "machine": report.get("machine")} if report else {}
+    measured = "temperatures" in report  # what eval-run writes; load_report's stand-in has only results
+    under = {key: report.get(key) for key in MEASURED_UNDER} if measured else {}
+    machine = {"hardware": report.get("hardware"), "machine": report.get("machine")} if measured else {}
     provenance = {
         "target": cfg.target,
         "target_weights_sha256": weights_digest(target),

@@ -30,7 +30,7 @@ from draftsmith.train import checkpoint
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, draft_settings
 from draftsmith.train.models import RunModels
 from draftsmith.train.profile import draft_profile, profile_lines, write_profile
-from draftsmith.train.speedup import BEST, REPORT, card_figures, does_not_pay
+from draftsmith.train.speedup import BEST, REPORT, card_figures, does_not_pay, load_report
 
 GAMMA = 4  # draft tokens per round of an unmeasured draft (eval's default)
 # Hub ids of the built-in aliases, for the model card's base_model.
@@ -93,8 +93,9 @@ def publish(
     tokenizer = load_tokenizer(str(ckpt))
     check_compatible(target_tokenizer, tokenizer, target.config.vocab_size, draft.config.vocab_size)
 
-    measured = measured_settings(run_dir, ckpt)
-    serving = Serving(gamma=measured["gamma"], tree=measured_tree(run_dir, ckpt))
+    report = load_report(run_dir)  # eval-run's report, read once ({"results": {}} when never measured)
+    measured = measured_settings(report, run_dir, ckpt)
+    serving = Serving(gamma=measured["gamma"], tree=measured_tree(report, ckpt))
     with atomic_path(out) as tmp:
         tmp.mkdir()
         kind.export(draft, tokenizer, tmp, serving)
@@ -102,7 +103,7 @@ def publish(
             # The head cut the measurement used: eval on the published folder drafts with it too.
             ranking = draft_vocab.load_ranking(run_dir, measured["draft_vocab"])
             draft_vocab.save_ranking(tmp, ranking)
-        report, results = measured_results(run_dir, ckpt)
+        results = measured_results(report, ckpt)
         profile = draft_profile(cfg, ckpt, report, results, target)
         write_profile(tmp, profile)
         ref = repo_id or str(out.resolve())
@@ -194,11 +195,11 @@ def readable_by_all(folder: Path) -> None:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
-def measured_settings(run_dir: Path, ckpt: Path) -> dict:
+def measured_settings(report: dict, run_dir: Path, ckpt: Path) -> dict:
     """The gamma (best at the report's first temperature) and draft vocabulary size ``ckpt`` was
-    measured with by eval-run; when it was not measured, the default gamma and the head it was
-    trained with (the cut its folder carries, else the full head)."""
-    report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else {"results": {}}
+    measured with by eval-run (``report``, its run's, as ``speedup.load_report`` reads it); when it was
+    not measured, the default gamma and the head it was trained with (the cut its folder carries, else
+    the full head)."""
     by_temp = report["results"].get(ckpt.name, {})
     first = str(report["temperatures"][0]) if by_temp else None
     if first not in by_temp:
@@ -213,10 +214,9 @@ def measured_settings(run_dir: Path, ckpt: Path) -> dict:
     return {"gamma": by_temp[first]["best_gamma"], "draft_vocab": report.get("draft_vocab") or 0, "measured": True}
 
 
-def measured_tree(run_dir: Path, ckpt: Path) -> str | None:
+def measured_tree(report: dict, ckpt: Path) -> str | None:
     """The token-tree shape eval-run chose over the chain for ``ckpt`` at the report's first temperature
     (``speedup.choose_tree``), or None: the chain, or not measured with trees."""
-    report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else {"results": {}}
     by_temp = report["results"].get(ckpt.name, {})
     first = by_temp.get(str(report["temperatures"][0]), {}) if by_temp else {}
     return first.get("best_tree")
@@ -227,12 +227,10 @@ def is_hub_id(name: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
 
 
-def measured_results(run_dir: Path, ckpt: Path) -> tuple[dict | None, dict]:
-    """(the run's eval-run report or None, ``ckpt``'s figures per temperature as its card gives them:
-    its confirmation where it was measured again, ``speedup.card_figures``)."""
-    report = json.loads((run_dir / REPORT).read_text()) if (run_dir / REPORT).is_file() else None
-    measured = (report or {}).get("results", {}).get(ckpt.name, {})
-    return report, {temp: card_figures(r) for temp, r in measured.items()}
+def measured_results(report: dict, ckpt: Path) -> dict:
+    """``ckpt``'s figures per temperature in the run's ``report`` as its card gives them: its confirmation
+    where it was measured again (``speedup.card_figures``)."""
+    return {temp: card_figures(r) for temp, r in report["results"].get(ckpt.name, {}).items()}
 
 
 def model_card(
@@ -242,7 +240,7 @@ def model_card(
     folder: Path,
     draft_ref: str,
     license: str | None,
-    measured: tuple[dict | None, dict, dict],
+    measured: tuple[dict, dict, dict],
 ) -> ModelCard:
     """The model card (README.md): hub metadata with the measured results as ``eval_results``, what the
     draft is and how it was made, its acceptance profile, and usage that runs as written; the kind
