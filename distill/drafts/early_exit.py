@@ -342,6 +342,11 @@ def measure_verify_saving(
     return {"verify_s_kv_reuse": reuse, "verify_s_full": full_s, "verify_time_saved": 1 - reuse / full_s}
 
 
+def uses_adapter(settings: DraftSettings) -> bool:
+    """Whether the draft has its adapter layer (``draft.options: adapter``, on by default)."""
+    return settings.options.get("adapter", True)
+
+
 class EarlyExitKind(KindBase):
     """The early-exit draft (``draft.kind: early_exit``): ``draft.layers`` is k, the target layers it
     shares; ``draft.options: {adapter: false}`` leaves out the trainable adapter layer. Decode option
@@ -386,12 +391,12 @@ class EarlyExitKind(KindBase):
     def target_parts(self, settings: DraftSettings, target_layers: int) -> TargetParts:
         """Its shared layers, the first k, and layer k, which its adapter starts as."""
         k = layer_count(settings.layers, self.name)
-        return TargetParts(tuple(range(k + 1 if settings.options.get("adapter", True) else k)))
+        return TargetParts(tuple(range(k + 1 if uses_adapter(settings) else k)))
 
     def build(
         self, settings: DraftSettings, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
     ) -> EarlyExitDraft:
-        adapter = settings.options.get("adapter", True)
+        adapter = uses_adapter(settings)
         # Its shared layers, embeddings and head are the target's, frozen.
         return EarlyExitDraft(target, layer_count(settings.layers, self.name), adapter=adapter).train()
 
