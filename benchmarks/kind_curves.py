@@ -21,8 +21,11 @@ with eval-run's own measurement (``train.speedup.measure_draft``: each figure si
 target alone): steps, tokens seen, held-out sum min(p, q) (the run's held-out alpha), the decoder's
 acceptance at each draft position (``acceptance_by_position`` at the base gamma), c, v, the best gamma
 and the measured speedup there (with the decoder's pacing, as a user decodes), the predicted speedup,
-and greedy identity. Written to ``benchmarks/results/kind_curves.json`` (``kind_curves_smoke.json``
-with ``--smoke``) with a PNG of alpha and speedup against minutes.
+greedy identity, the lookup-guess tokens the paced run verified (and kept), and the speedup at the
+best gamma once more with guesses off (the draft alone, so the kinds compare without lookup copies
+mixed in; measured after the choice, side by side with the target as well). Written to
+``benchmarks/results/kind_curves.json`` (``kind_curves_smoke.json`` with ``--smoke``)
+with a PNG of alpha and speedup against minutes.
 
 The default budgets (5, 15, 45 minutes) are for a CPU with native bfloat16; on one without (AVX2,
 float32) pass smaller ones and the results say which were used.
@@ -41,6 +44,7 @@ docs/benchmarks.md) and draws the plot again, running nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -56,7 +60,7 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.train.config import DistillConfig, load_config, with_settings
 from draftsmith.train.models import load_target
-from draftsmith.train.speedup import measure_draft
+from draftsmith.train.speedup import confirm_draft, measure_draft
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 UNCAPPED = 1_000_000  # max_steps under a budget of minutes: the budget alone sets the steps
@@ -89,12 +93,20 @@ def measure_snapshot(target, tokenizer, folder: Path, args) -> dict:
         repeats=args.repeats,
         progress=False,
     )
-    measured = measure_draft(target, decoding_draft(folder, target, eos), tokenizer, settings, args.gammas).to_json()
+    draft = decoding_draft(folder, target, eos)
+    measured = measure_draft(target, draft, tokenizer, settings, args.gammas).to_json()
+    # The draft alone: the best gamma again with lookup guesses off, so kinds compare without copies mixed in.
+    alone = dataclasses.replace(settings, options=DecodeOptions(pace=True, guesses=False))
+    draft_alone = confirm_draft(target, draft, tokenizer, alone, measured["best_gamma"])
     keys = ("cost_ratio_c", "verify_ratio_v", "speedup", "predicted_speedup", "greedy_match", "paused_share")
     return {
         "best_gamma": measured["best_gamma"],
         **{k: measured[k] for k in keys},
         "speedup_spread": measured["speedup_spread"],
+        "guesses": measured["guesses"],
+        "guesses_accepted": measured["guesses_accepted"],
+        "speedup_guesses_off": draft_alone["speedup"],
+        "greedy_match_guesses_off": draft_alone["greedy_match"],
         "alpha_per_position": measured["at_base_gamma"]["acceptance_by_position"],
         "base_gamma": measured["base_gamma"],
         "speedup_at_base_gamma_unpaced": measured["at_base_gamma"]["speedup"],
@@ -148,17 +160,21 @@ def table(results: dict) -> str:
     """The results as a markdown table: one row per kind and budget."""
     lines = [
         "| kind | minutes | steps | tokens | held-out Σ min(p,q) | α by position (base γ) | c | best γ "
-        "| speedup (predicted) | greedy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| speedup (predicted) | guesses (kept) | guesses off | greedy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in (k for k in KINDS if k in results):
         for p in results[kind]:
             alphas = " / ".join("–" if a is None else f"{a:.2f}" for a in p["alpha_per_position"])
             greedy = "identical" if p["greedy_match"] == 1.0 else f"{p['greedy_match']:.3f}"
+            # results measured before the guess figures were recorded show a dash there
+            guesses = f"{p['guesses']} ({p['guesses_accepted']})" if "guesses" in p else "–"
+            alone = f"{p['speedup_guesses_off']:.2f}×" if "speedup_guesses_off" in p else "–"
             lines.append(
                 f"| {kind} | {p['budget_minutes']:g} ({p['train_s'] / 60:.1f} trained) | {p['steps']} "
                 f"| {p['tokens'] / 1000:.0f} k | {p['heldout_sum_min_pq']:.3f} | {alphas} | {p['cost_ratio_c']:.3f} "
-                f"| {p['best_gamma']} | {p['speedup']:.2f}× ({p['predicted_speedup']:.2f}×) | {greedy} |"
+                f"| {p['best_gamma']} | {p['speedup']:.2f}× ({p['predicted_speedup']:.2f}×) | {guesses} | {alone} "
+                f"| {greedy} |"
             )
     return "\n".join(lines)
 
@@ -229,7 +245,9 @@ def main() -> None:
                 f"{point['heldout_sum_min_pq']:.3f}, alpha by position "
                 f"{[None if a is None else round(a, 3) for a in point['alpha_per_position']]}, c "
                 f"{point['cost_ratio_c']:.3f}, gamma {point['best_gamma']}, speedup {point['speedup']:.2f}x "
-                f"(predicted {point['predicted_speedup']:.2f}x), greedy {point['greedy_match']}"
+                f"(predicted {point['predicted_speedup']:.2f}x), greedy {point['greedy_match']}, lookup guesses "
+                f"{point['guesses']} ({point['guesses_accepted']} kept), "
+                f"guesses off {point['speedup_guesses_off']:.2f}x"
             )
         machines[kind] = machine()
         done = all(k in curves for k in args.kinds.split(","))
