@@ -34,7 +34,7 @@ from draftsmith.specdec.measure import machine
 from draftsmith.specdec.measure.hf_compare import HFComparison
 from draftsmith.specdec.measure.pair import evaluate_pair
 from draftsmith.specdec.measure.report import PairReport
-from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.settings import MeasureSettings, measuring_dtype
 from draftsmith.specdec.measure.tables import format_table
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
@@ -250,10 +250,8 @@ def decode_options(args: argparse.Namespace) -> DecodeOptions:
 
 
 def eval_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
-    dtype = resolve_dtype(args.dtype, device)
-    if args.dtype is None and args.batch_size > 1 and dtype != torch.float32:
-        # Row-exact decoding (identical greedy output in 16-bit dtypes) covers batch 1 only.
-        dtype = torch.float32
+    dtype = measuring_dtype(args.dtype, resolve_dtype(args.dtype, device), args.batch_size)
+    if dtype != resolve_dtype(args.dtype, device):
         print("batch > 1: measuring in float32, where batched greedy output stays the target's (see --dtype)")
     return dtype
 

@@ -22,17 +22,20 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
 from draftsmith.specdec.locks import folder_lock
 from draftsmith.specdec.tree import TreeShape
+from draftsmith.train.batch_schedule import parse_batch_sizes
 from draftsmith.train.config import load_run_config
 from draftsmith.train.eval_run import RunEvalSettings, evaluate_run
 from draftsmith.train.speedup import card_figures, does_not_pay
 
 EPILOG = """Writes RUN_DIR/speedup_report.json, speedup_report.md, speedup.png and best.json.
 Drafts already measured (same prompts, gammas, tokens) are not measured again unless --force.
+With --batch-sizes the best draft's gamma is chosen at each size too (gamma_by_batch_size).
 With --engine vllm the best draft is then measured in vLLM too (RUN_DIR/engine_report.md).
 
 example:
   draftsmith eval-run runs/smollm2-135m --gammas 1,2,3,4,6,8 --temperatures 0,1
-  draftsmith eval-run runs/smollm2-135m --gammas 1,2,3,4 --trees 3,2,1,1 3,2,2,1:12"""
+  draftsmith eval-run runs/smollm2-135m --gammas 1,2,3,4 --trees 3,2,1,1 3,2,2,1:12
+  draftsmith eval-run runs/smollm2-135m --batch-sizes 1,4,16"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         "3,2,2,1:12); the fastest is chosen over the chain when it measured faster, and publish carries it "
         "(default: none, chains only)",
     )
+    p.add_argument(
+        "--batch-sizes",
+        default="1",
+        help="batch sizes the best draft's gamma is chosen at (e.g. 1,4,16): each size past 1 is measured beside the "
+        "target alone at that size, and where drafting does not pay the size gets gamma 0; publish writes the "
+        "schedule where transformers, vLLM and draftsmith read it (default: 1, the draft's own measurement)",
+    )
     return p
 
 
@@ -98,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         pace=args.pace,
         draft_options=draft_options,
         progress=not args.no_progress,
+        batch_sizes=tuple(parse_batch_sizes(args.batch_sizes)),
     )
     # a run being trained is not measured: keep_last could delete a checkpoint under the measurement
     with folder_lock(run_dir, "draftsmith eval-run"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import eos_token_ids, resolve_device, resolve_dtype
 from draftsmith.specdec.matmul import use_column_products
 from draftsmith.specdec.measure import machine
-from draftsmith.specdec.measure.settings import MeasureSettings
+from draftsmith.specdec.measure.settings import MeasureSettings, measuring_dtype
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
@@ -53,6 +54,9 @@ class RunEvalSettings:
         (``DecodeOptions.pace``), as draftsmith's decoder does by default.
     draft_options: the draft kind's decode options (``DecodeOptions.draft_options``), checked by the kind.
     progress: show progress bars.
+    batch_sizes: the batch sizes the best draft's gamma is chosen at (1 first, always: its own
+        measurement); each larger one is measured beside the target alone at that size
+        (``speedup.measure_batch_size``), in float32 unless ``dtype`` was given (``measuring_dtype``).
     """
 
     prompts_file: str | Path
@@ -69,8 +73,11 @@ class RunEvalSettings:
     pace: bool = True
     draft_options: dict = field(default_factory=dict)
     progress: bool = True
+    batch_sizes: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
+        if not self.batch_sizes or self.batch_sizes[0] != 1 or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
+            raise DraftsmithError(f"batch sizes must be increasing and start at 1, got {self.batch_sizes}")
         if any(g < 1 for g in self.gammas):
             raise DraftsmithError(f"gammas must be >= 1, got {self.gammas}")
         if self.limit is not None and self.limit < 1:
@@ -108,8 +115,8 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
         options=options,
     )
 
-    def load(folder: Path) -> torch.nn.Module:
-        draft = load_draft(str(folder), target, device, dtype)
+    def load(folder: Path, verifier: torch.nn.Module = target) -> torch.nn.Module:
+        draft = load_draft(str(folder), verifier, device, verifier.dtype)
         if ranking and kind_of_folder(folder).cuts_head:
             draft = draft_vocab.SubsetHeadDraft(draft, ranking, eos)
         return draft
@@ -136,8 +143,49 @@ def evaluate_run(run_dir: Path, settings: RunEvalSettings, models: RunModels | N
             target, load(folder), tokenizer, at, chosen["best_gamma"], chosen.get("best_tree")
         )
         best = speedup.write_report(run_dir, report)
+    if best is not None:
+        folder = next(folder for name, _, folder in drafts if name == best)
+        at = at_temperature(measure, settings.temperatures[0])
+        run = BatchSizeRun(at, models, device, dtype, lambda verifier: load(folder, verifier))
+        by_batch_size(run_dir, report, best, settings, run)
     report["best"] = best
     return report
+
+
+@dataclass(frozen=True)
+class BatchSizeRun:
+    """How the best draft is measured at larger batch sizes: the settings at the first temperature, the
+    run's models (a target per dtype), the device and the dtype of batch 1, and ``load``, the draft
+    for a given target."""
+
+    settings: MeasureSettings
+    models: RunModels
+    device: torch.device
+    dtype: torch.dtype
+    load: Callable[[torch.nn.Module], torch.nn.Module]
+
+
+def by_batch_size(run_dir: Path, report: dict, best: str, settings: RunEvalSettings, run: BatchSizeRun) -> None:
+    """The best draft's gamma at each of ``settings.batch_sizes`` (``by_batch_size`` in its result at the
+    first temperature) and vLLM's ranges of them (``gamma_by_batch_size``): batch 1 from its own
+    measurement, each larger size measured unless already in the report; the report rewritten."""
+    chosen = report["results"][best][str(settings.temperatures[0])]
+    entries = chosen.setdefault("by_batch_size", {})
+    under = {"dtype": report["dtype"], "matmul": report["matmul"]}
+    entries["1"] = speedup.batch_one_entry(chosen, len(run.settings.prompts), under)
+    for size in settings.batch_sizes[1:]:
+        if str(size) in entries:
+            continue
+        dtype = measuring_dtype(settings.dtype, run.dtype, size)
+        target = run.models.target(run.device, dtype)
+        use_column_products(target)  # a target cast to another dtype times its own product form
+        print(f"{best}: choosing its gamma at batch size {size} ({str(dtype).removeprefix('torch.')})")
+        entries[str(size)] = speedup.measure_batch_size(
+            target, run.load(target), run.models.tokenizer, run.settings, settings.gammas, size
+        )
+        speedup.write_report(run_dir, report)
+    chosen["gamma_by_batch_size"] = speedup.schedule_of(entries)
+    speedup.write_report(run_dir, report)
 
 
 def start_report(

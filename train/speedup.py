@@ -23,14 +23,21 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.specdec.drafters import round_forwards
 from draftsmith.specdec.files import atomic_path, write_text
+from draftsmith.specdec.matmul import uses_column_products
+from draftsmith.specdec.measure.engine_compare import filled
 from draftsmith.specdec.measure.pair import evaluate_pair
 from draftsmith.specdec.measure.report import PairReport, Spread, fields_of, plain
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.theory import alpha_from_tau, predicted_speedup
 from draftsmith.specdec.tree import TreeShape
+from draftsmith.train import batch_schedule
 
 REPORT = "speedup_report.json"
 BEST = "best.json"  # the best draft of a run: {"checkpoint": name, ...}
+# What a report keeps of the chain measured at one batch size (``batch_size_entry``).
+BATCH_SIZE_KEYS = ("best_gamma", "speedup", "speedup_spread", "acceptance_rate", "mean_accepted_tokens")
+BATCH_SIZE_KEYS += ("predicted_speedup", "predicted_by_gamma", "cost_ratio_c", "verify_ratio_v")
+BATCH_SIZE_KEYS += ("target_tokens_per_s", "spec_tokens_per_s", "greedy_match", "paused_share")
 
 
 @dataclass(frozen=True)
@@ -213,6 +220,53 @@ def confirm_draft(
     return TreeFigures.of(measured).to_json() | {"tree": tree}
 
 
+def measure_batch_size(
+    target: PreTrainedModel,
+    draft: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: MeasureSettings,
+    gammas: list[int],
+    batch_size: int,
+) -> dict:
+    """The gamma to draft at ``batch_size``, chosen as eval-run chooses it at batch 1 (``measure_draft``:
+    alpha, c and v measured at the base gamma, here with ``batch_size`` sequences per batch, predict
+    each of ``gammas``, and the best one is measured, both runs beside the target alone in the same
+    minutes). The prompts fill whole batches (``engine_compare.filled``: one category, repeated in
+    order when fewer than a batch). Returns the entry the report keeps (``batch_size_entry``)."""
+    prompts = filled(settings.prompts, batch_size) if batch_size > 1 else settings.prompts
+    at_size = dataclasses.replace(settings, prompts=prompts, batch_size=batch_size)
+    measured = measure_draft(target, draft, tokenizer, at_size, gammas).to_json()
+    under = {"dtype": str(target.dtype).removeprefix("torch."), "matmul": product_form(target)}
+    return batch_size_entry(measured, batch_size, len(prompts), under)
+
+
+def product_form(model: torch.nn.Module) -> str:
+    """How ``model``'s few-row products run (``specdec.matmul``), as reports name it."""
+    return "columns" if uses_column_products(model) else "linear"
+
+
+def batch_size_entry(measured: dict, batch_size: int, prompts: int, under: dict) -> dict:
+    """What a report keeps of a draft at one batch size: its chain's figures at the best gamma
+    (``measured``, as ``DraftMeasurement.to_json`` writes them), the batch size, the prompts decoded,
+    what the pair ran in (``under``: dtype and few-row product form), and ``gamma``: the best gamma,
+    or 0 where drafting there measured slower than the target alone (``batch_schedule.gamma_that_pays``)."""
+    gamma = batch_schedule.gamma_that_pays(measured["best_gamma"], measured["speedup"])
+    figures = {key: measured.get(key) for key in BATCH_SIZE_KEYS}
+    return {"batch_size": batch_size, "prompts": prompts, **under, "gamma": gamma, **figures}
+
+
+def batch_one_entry(result: dict, prompts: int, under: dict) -> dict:
+    """Batch 1's entry (``batch_size_entry``) from a draft's own measurement at batch 1, with no run of
+    its own: its chain at the best gamma, as measured again once chosen (``card_figures``) unless that
+    second run was a token tree (transformers and vLLM draft the chain)."""
+    return batch_size_entry(result if result.get("best_tree") else card_figures(result), 1, prompts, under)
+
+
+def schedule_of(by_batch_size: dict[str, dict]) -> list[tuple[int, int, int]]:
+    """vLLM's batch-size ranges (``batch_schedule.schedule_ranges``) of a report's entries by batch size."""
+    return batch_schedule.schedule_ranges({int(size): entry["gamma"] for size, entry in by_batch_size.items()})
+
+
 def card_figures(result: dict) -> dict:
     """A draft's figures at one temperature as a card gives them: its confirmation's (``confirm_draft``)
     where it was measured again once chosen, with the speedup it was chosen by as ``chosen_speedup``;
@@ -354,7 +408,33 @@ def _markdown(report: dict) -> str:
                 f"{r['target_tokens_per_s']:.1f} | {r['predicted_speedup']:.2f} | "
                 f"{r['speedup']:.2f}{_range(r)} | {match} |" + (f" {_tree_cell(r)} |" if trees else "")
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _batch_size_lines(report)) + "\n"
+
+
+def _batch_size_lines(report: dict) -> list[str]:
+    """The best draft's gamma per batch size (``by_batch_size``), when it was chosen at more than batch 1."""
+    temperature = str(report["temperatures"][0])
+    best = report["results"].get(report.get("best"), {}).get(temperature, {})
+    entries = best.get("by_batch_size", {})
+    if len(entries) < 2:
+        return []
+    ranges = batch_schedule.format_ranges(schedule_of(entries))
+    lines = [
+        "",
+        f"{report['best']} at each batch size (temperature {temperature}; its gamma chosen there as at batch 1, "
+        "beside the target alone at that size; gamma 0 where drafting measured slower than the target alone). "
+        f"vLLM's `{batch_schedule.SCHEDULE_KEY}`: `{ranges}`.",
+        "",
+        "| batch size | dtype | prompts | best gamma | alpha | measured speedup | gamma served |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size, e in sorted(entries.items(), key=lambda item: int(item[0])):
+        alpha = "-" if e["acceptance_rate"] is None else f"{e['acceptance_rate']:.3f}"
+        lines.append(
+            f"| {size} | {e['dtype']} | {e['prompts']} | {e['best_gamma']} | {alpha} | "
+            f"{e['speedup']:.2f}{_range(e)} | {e['gamma']} |"
+        )
+    return lines
 
 
 def _precision(report: dict) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt
@@ -38,3 +40,12 @@ class MeasureSettings:
             raise DraftsmithError(f"batch size must be >= 1, got {self.batch_size}")
         if self.repeats < 1:
             raise DraftsmithError(f"repeats must be >= 1, got {self.repeats}")
+
+
+def measuring_dtype(asked: str | None, resolved: torch.dtype, batch_size: int) -> torch.dtype:
+    """The dtype a pair is measured in at ``batch_size``: ``resolved`` (the device's default, or what
+    was ``asked``), except float32 at batch > 1 when no dtype was asked: row-exact decoding, which keeps
+    greedy output the target's in 16-bit dtypes, covers batch 1 only."""
+    if asked is None and batch_size > 1 and resolved != torch.float32:
+        return torch.float32
+    return resolved
