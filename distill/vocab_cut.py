@@ -68,12 +68,12 @@ def loss_rows(mask: torch.Tensor) -> torch.Tensor:
 class RowsHead(nn.Module):
     """A bias-free linear head at chosen rows and columns: hidden (B, T, H) -> logits (M, N).
 
-    rows (M,): flat indices into B x T (None: every position, (B, T, N)); ids (N,): the kept columns
+    rows (M,): flat indices into B x T; ids (N,): the kept columns
     (None: all V). Reads the full layer's own weight when it runs (the same Parameter, so a tied or
     frozen head stays so, and a trained one receives gradients in the kept rows only; under FSDP, the
     whole weight its forward gathered, not the shard it held when the head was swapped)."""
 
-    def __init__(self, full: nn.Linear, rows: torch.Tensor | None, ids: torch.Tensor | None):
+    def __init__(self, full: nn.Linear, rows: torch.Tensor, ids: torch.Tensor | None):
         super().__init__()
         object.__setattr__(self, "full", full)  # not a submodule: its parameter stays registered where it is
         self.rows, self.ids = rows, ids
@@ -83,8 +83,7 @@ class RowsHead(nn.Module):
         return self.full.weight  # (V, H)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None:
-            hidden = hidden.flatten(0, -2).index_select(0, self.rows)  # (M, H)
+        hidden = hidden.flatten(0, -2).index_select(0, self.rows)  # (M, H)
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
         return F.linear(hidden, kept_rows(self.weight, self.ids, dtype))
@@ -99,9 +98,9 @@ def plain_head(model: nn.Module) -> nn.Linear:
 
 
 @contextlib.contextmanager
-def loss_rows_head(model: nn.Module, rows: torch.Tensor | None, ids: torch.Tensor | None = None) -> Iterator[None]:
+def loss_rows_head(model: nn.Module, rows: torch.Tensor, ids: torch.Tensor | None = None) -> Iterator[None]:
     """Within the block, ``model``'s forward returns the logits of the loss rows only: (M, N or V)
-    instead of (B, T, V). rows (M,) flat indices of (B, T) (``loss_rows``; None: every position);
+    instead of (B, T, V). rows (M,) flat indices of (B, T) (``loss_rows``);
     ids (N,) the kept tokens of a cut head (None: the full head).
 
     ``model`` is the unwrapped model, with ``get_output_embeddings`` / ``set_output_embeddings``; a
@@ -113,13 +112,6 @@ def loss_rows_head(model: nn.Module, rows: torch.Tensor | None, ids: torch.Tenso
         yield
     finally:
         model.set_output_embeddings(full)
-
-
-@contextlib.contextmanager
-def head_cut_to(model: nn.Module, ids: torch.Tensor) -> Iterator[None]:
-    """Within the block, ``model``'s forward returns logits over ``ids`` only: (B, T, N) instead of (B, T, V)."""
-    with loss_rows_head(model, None, ids):
-        yield
 
 
 @dataclass

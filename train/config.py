@@ -37,6 +37,11 @@ TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # report_to values
 RUN_CONFIG = "config.yaml"  # the resolved config inside every run folder
 
 
+def failed(checks: list[tuple[bool, str]]) -> list[str]:
+    """The messages of the (holds, message) checks that do not hold, in order."""
+    return [message for ok, message in checks if not ok]
+
+
 @dataclass
 class DraftSection:
     """The draft: its kind and how it starts. ``options`` are the kind's own settings, checked by the kind."""
@@ -62,6 +67,15 @@ class DraftSection:
     # 0 = the full head.
     vocab: int = 0
 
+    def problems(self) -> list[str]:
+        """What is wrong with the section's own values (the kind checks the rest: ``DistillConfig``)."""
+        return failed(
+            [
+                (self.lora_r >= 0, "draft.lora_r must be >= 0"),
+                (self.vocab >= 0, "draft.vocab must be >= 0 (0 = the full head)"),
+            ]
+        )
+
 
 @dataclass
 class DataSection:
@@ -85,6 +99,20 @@ class DataSection:
     # train on a `draftsmith data` folder whose build has not finished (its manifest says incomplete)
     allow_incomplete: bool = False
 
+    def problems(self) -> list[str]:
+        return failed(
+            [
+                (self.mode in ("text", "target"), "data.mode must be text or target"),
+                (self.heldout >= 1, "data.heldout must be >= 1"),
+                (self.max_length >= 8, "data.max_length must be >= 8"),
+                (self.bucket_batches >= 0, "data.bucket_batches must be >= 0 (0 = plain shuffled batches)"),
+                (
+                    self.max_samples is None or self.max_samples >= 1,
+                    "data.max_samples must be >= 1 (or left empty for all)",
+                ),
+            ]
+        )
+
 
 @dataclass
 class GenerateSection:
@@ -96,6 +124,18 @@ class GenerateSection:
     batch_size: int = 8
     samples: int = 1  # answers per training prompt (needs temperature > 0 when > 1)
 
+    def problems(self) -> list[str]:
+        return failed(
+            [
+                (self.samples >= 1, "generate.samples must be >= 1"),
+                (self.batch_size >= 1, f"generate.batch_size must be >= 1, got {self.batch_size}"),
+                (
+                    self.samples == 1 or self.temperature > 0,
+                    "generate.samples > 1 needs generate.temperature > 0 (greedy answers would all be the same)",
+                ),
+            ]
+        )
+
 
 @dataclass
 class OnPolicySection:
@@ -104,6 +144,20 @@ class OnPolicySection:
     fraction: float = 0.0  # lambda: share of micro-batches replaced by the draft's own answers
     refresh_steps: int = 50  # regenerate the draft's answers every this many steps
     pool: int = 32  # prompts answered by the draft at each refresh
+
+    def problems(self, live_teacher: bool) -> list[str]:
+        """live_teacher: the target runs as teacher (``teacher.cache: false``), as the draft's answers need."""
+        return failed(
+            [
+                (0 <= self.fraction <= 1, "on_policy.fraction must be in [0, 1]"),
+                (self.refresh_steps >= 1, "on_policy.refresh_steps must be >= 1"),
+                (self.pool >= 1, "on_policy.pool must be >= 1"),
+                (
+                    self.fraction == 0 or live_teacher,
+                    "on_policy.fraction > 0 needs the live target (teacher.cache: false): draft answers are new text",
+                ),
+            ]
+        )
 
 
 @dataclass
@@ -127,6 +181,32 @@ class TeacherSection:
     # there are several processes and the teacher runs (no store, or a store the first epoch fills)
     shard: str = "auto"  # auto | true | false
 
+    def __post_init__(self) -> None:
+        self.shard = self.shard.lower()  # a YAML true reads as the string True
+
+    def problems(self) -> list[str]:
+        return failed(
+            [
+                (self.top_k >= 1, "teacher.top_k must be >= 1"),
+                (
+                    self.cache_dtype in ("bfloat16", "float16", "float32"),
+                    f"teacher.cache_dtype must be bfloat16, float16 or float32, got {self.cache_dtype!r}",
+                ),
+                (
+                    self.cache_fill in ("before", "first_epoch"),
+                    f"teacher.cache_fill must be before or first_epoch, got {self.cache_fill!r}",
+                ),
+                (
+                    self.shard in ("auto", "true", "false"),
+                    f"teacher.shard must be auto, true or false, got {self.shard!r}",
+                ),
+                (
+                    self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                    "teacher.dtype must be auto, float32, bfloat16 or float16",
+                ),
+            ]
+        )
+
 
 @dataclass
 class LossSection:
@@ -135,6 +215,17 @@ class LossSection:
     jsd_beta: float = 0.5
     gamma: int = 4  # accepted_length: positions per window
     ce_weight: float = 0.0  # weight of hard-label cross-entropy mixed in
+
+    def problems(self) -> list[str]:
+        return failed(
+            [
+                (self.name in LOSSES, f"loss.name must be one of {', '.join(LOSSES)}"),
+                (self.temperature > 0, "loss.temperature must be > 0"),
+                (0 < self.jsd_beta < 1, "loss.jsd_beta must be in (0, 1)"),
+                (self.gamma >= 1, "loss.gamma must be >= 1"),
+                (0 <= self.ce_weight <= 1, "loss.ce_weight must be in [0, 1]"),
+            ]
+        )
 
 
 @dataclass
@@ -153,17 +244,56 @@ class OptimSection:
     max_grad_norm: float = 1.0
     mixed_precision: str = "no"  # no | bf16 | fp16 | auto (bf16 where the device has native bfloat16)
 
+    def problems(self) -> list[str]:
+        minutes = self.max_minutes
+        return failed(
+            [
+                (self.max_steps >= 1, "optim.max_steps must be >= 1"),
+                (
+                    minutes is None or (isinstance(minutes, (int, float)) and 0 < minutes < float("inf")),
+                    f"optim.max_minutes must be minutes > 0 (or null for optim.max_steps alone), got {minutes!r}",
+                ),
+                (self.budget_checkpoints >= 1, "optim.budget_checkpoints must be >= 1"),
+                (self.batch_size >= 1, "optim.batch_size must be >= 1"),
+                (self.grad_accum >= 1, "optim.grad_accum must be >= 1"),
+                (self.lr > 0, "optim.lr must be > 0"),
+                (
+                    self.mixed_precision in ("no", "bf16", "fp16", "auto"),
+                    "optim.mixed_precision must be no, bf16, fp16 or auto",
+                ),
+            ]
+        )
+
 
 @dataclass
 class SaveSection:
     steps: int = 50  # a checkpoint every this many steps
     keep_last: int = 3
 
+    def problems(self) -> list[str]:
+        return failed(
+            [
+                (self.steps >= 1, "save.steps must be >= 1"),
+                (self.keep_last >= 1, "save.keep_last must be >= 1"),
+            ]
+        )
+
 
 @dataclass
 class LogSection:
     steps: int = 10  # held-out metrics, a console line and the trackers' record every this many steps
     report_to: str = "none"  # none, or experiment trackers (accelerate log_with): tensorboard, wandb, trackio
+
+    def problems(self) -> list[str]:
+        return failed(
+            [
+                (self.steps >= 1, "log.steps must be >= 1"),
+                (
+                    all(name in TRACKERS for name in self.report_to.split(",")),
+                    f"log.report_to must be none or a comma-separated list of {', '.join(TRACKERS[1:])}",
+                ),
+            ]
+        )
 
 
 @dataclass
@@ -175,6 +305,19 @@ class EvalSection:
     limit: int = 4  # prompts used
     max_new_tokens: int = 48
     gammas: list = field(default_factory=lambda: [1, 2, 4])
+
+    def problems(self) -> list[str]:
+        return failed(
+            [
+                (self.speedup_steps >= 0, "eval.speedup_steps must be >= 0"),
+                (
+                    bool(self.gammas) and all(isinstance(g, int) and g >= 1 for g in self.gammas),
+                    "eval.gammas must be a list of integers >= 1",
+                ),
+                (self.limit >= 1, f"eval.limit must be >= 1 (prompts measured in training), got {self.limit}"),
+                (self.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            ]
+        )
 
 
 @dataclass
@@ -198,103 +341,46 @@ class DistillConfig:
     eval: EvalSection = field(default_factory=EvalSection)
 
     def __post_init__(self) -> None:
-        d, data, gen, pol, t, loss, o = (
-            self.draft,
-            self.data,
-            self.generate,
-            self.on_policy,
-            self.teacher,
-            self.loss,
-            self.optim,
-        )
-        t.shard = t.shard.lower()  # a YAML true reads as the string True
-        checks = [
-            (d.lora_r >= 0, "draft.lora_r must be >= 0"),
-            (d.vocab >= 0, "draft.vocab must be >= 0 (0 = the full head)"),
-            (t.top_k >= 1, "teacher.top_k must be >= 1"),
-            (
-                t.cache_dtype in ("bfloat16", "float16", "float32"),
-                f"teacher.cache_dtype must be bfloat16, float16 or float32, got {t.cache_dtype!r}",
-            ),
-            (
-                t.cache_fill in ("before", "first_epoch"),
-                f"teacher.cache_fill must be before or first_epoch, got {t.cache_fill!r}",
-            ),
-            (t.shard in ("auto", "true", "false"), f"teacher.shard must be auto, true or false, got {t.shard!r}"),
-            (
-                t.dtype in ("auto", "float32", "bfloat16", "float16"),
-                "teacher.dtype must be auto, float32, bfloat16 or float16",
-            ),
-            (self.eval.speedup_steps >= 0, "eval.speedup_steps must be >= 0"),
-            (
-                bool(self.eval.gammas) and all(isinstance(g, int) and g >= 1 for g in self.eval.gammas),
-                "eval.gammas must be a list of integers >= 1",
-            ),
-            (self.eval.limit >= 1, f"eval.limit must be >= 1 (prompts measured in training), got {self.eval.limit}"),
-            (self.eval.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1, got {self.eval.max_new_tokens}"),
-            (0 <= pol.fraction <= 1, "on_policy.fraction must be in [0, 1]"),
-            (pol.refresh_steps >= 1, "on_policy.refresh_steps must be >= 1"),
-            (pol.pool >= 1, "on_policy.pool must be >= 1"),
-            (
-                pol.fraction == 0 or not t.cache,
-                "on_policy.fraction > 0 needs the live target (teacher.cache: false): draft answers are new text",
-            ),
-            (data.mode in ("text", "target"), "data.mode must be text or target"),
-            (data.heldout >= 1, "data.heldout must be >= 1"),
-            (data.max_length >= 8, "data.max_length must be >= 8"),
-            (data.bucket_batches >= 0, "data.bucket_batches must be >= 0 (0 = plain shuffled batches)"),
-            (
-                data.max_samples is None or data.max_samples >= 1,
-                "data.max_samples must be >= 1 (or left empty for all)",
-            ),
-            (gen.samples >= 1, "generate.samples must be >= 1"),
-            (gen.batch_size >= 1, f"generate.batch_size must be >= 1, got {gen.batch_size}"),
-            (
-                gen.samples == 1 or gen.temperature > 0,
-                "generate.samples > 1 needs generate.temperature > 0 (greedy answers would all be the same)",
-            ),
-            (loss.name in LOSSES, f"loss.name must be one of {', '.join(LOSSES)}"),
-            (loss.temperature > 0, "loss.temperature must be > 0"),
-            (0 < loss.jsd_beta < 1, "loss.jsd_beta must be in (0, 1)"),
-            (loss.gamma >= 1, "loss.gamma must be >= 1"),
-            (0 <= loss.ce_weight <= 1, "loss.ce_weight must be in [0, 1]"),
-            (o.max_steps >= 1, "optim.max_steps must be >= 1"),
-            (
-                o.max_minutes is None or (isinstance(o.max_minutes, (int, float)) and 0 < o.max_minutes < float("inf")),
-                f"optim.max_minutes must be minutes > 0 (or null for optim.max_steps alone), got {o.max_minutes!r}",
-            ),
-            (o.budget_checkpoints >= 1, "optim.budget_checkpoints must be >= 1"),
-            (o.batch_size >= 1, "optim.batch_size must be >= 1"),
-            (o.grad_accum >= 1, "optim.grad_accum must be >= 1"),
-            (o.lr > 0, "optim.lr must be > 0"),
-            (
-                o.mixed_precision in ("no", "bf16", "fp16", "auto"),
-                "optim.mixed_precision must be no, bf16, fp16 or auto",
-            ),
-            (self.save.steps >= 1, "save.steps must be >= 1"),
-            (self.save.keep_last >= 1, "save.keep_last must be >= 1"),
-            (self.log.steps >= 1, "log.steps must be >= 1"),
-            (
-                all(name in TRACKERS for name in self.log.report_to.split(",")),
-                f"log.report_to must be none or a comma-separated list of {', '.join(TRACKERS[1:])}",
-            ),
-            (
-                re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None,
-                f"device must be auto, cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
-            ),
-            (
-                not Path(self.output_dir).is_file(),
-                f"output_dir {self.output_dir} is an existing file; give a folder path (new, or a run to resume)",
-            ),
-            (self.resume in ("auto", "force"), "resume must be auto or force"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise DraftsmithError(f"config: {message}")
+        problems = self.problems()
+        if problems:
+            raise DraftsmithError(f"config: {problems[0]}")
         try:
-            kind_named(d.kind).check(draft_settings(self))
+            kind_named(self.draft.kind).check(draft_settings(self))
         except DraftsmithError as err:
             raise DraftsmithError(f"config: {err}") from err
+
+    def problems(self) -> list[str]:
+        """What is wrong with the settings, in the order checked: each section's values, then the
+        run-wide settings (the draft's kind is checked after)."""
+        return [
+            *self.draft.problems(),
+            *self.teacher.problems(),
+            *self.eval.problems(),
+            *self.on_policy.problems(live_teacher=not self.teacher.cache),
+            *self.data.problems(),
+            *self.generate.problems(),
+            *self.loss.problems(),
+            *self.optim.problems(),
+            *self.save.problems(),
+            *self.log.problems(),
+            *self.run_problems(),
+        ]
+
+    def run_problems(self) -> list[str]:
+        """What is wrong with the run-wide settings (device, output_dir, resume)."""
+        return failed(
+            [
+                (
+                    re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None,
+                    f"device must be auto, cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
+                ),
+                (
+                    not Path(self.output_dir).is_file(),
+                    f"output_dir {self.output_dir} is an existing file; give a folder path (new, or a run to resume)",
+                ),
+                (self.resume in ("auto", "force"), "resume must be auto or force"),
+            ]
+        )
 
 
 SECTION_TYPES = {

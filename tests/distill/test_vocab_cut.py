@@ -14,21 +14,24 @@ from draftsmith.distill.losses import (
     subset_token_losses,
     token_losses,
 )
-from draftsmith.distill.vocab_cut import head_cut_to, subset_labels, teacher_log_probs
+from draftsmith.distill.vocab_cut import loss_rows, loss_rows_head, subset_labels, teacher_log_probs
 from draftsmith.specdec.errors import DraftsmithError
 from tests.helpers import tiny_llama
 
 
-def test_cut_head_gives_the_full_heads_logits_at_the_kept_ids_and_trains_only_their_rows():
+def test_cut_head_gives_the_full_heads_logits_at_the_loss_rows_and_kept_ids_and_trains_only_their_rows():
     model = tiny_llama(vocab=40, seed=3)
     ids = torch.tensor([7, 1, 30, 12, 2])
     tokens = torch.tensor([[3, 8, 13, 21, 5], [9, 9, 4, 0, 33]])
+    loss_mask = torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 1, 1]], dtype=torch.bool)
+    rows = loss_rows(loss_mask)
+    assert rows.tolist() == [1, 2, 4, 5, 8, 9]
     with torch.no_grad():
         full = model(tokens).logits  # (2, 5, 40)
-    with head_cut_to(model, ids):
-        cut = model(tokens).logits  # (2, 5, 5)
-    assert cut.shape == (2, 5, 5)
-    torch.testing.assert_close(cut.detach(), full[..., ids])
+    with loss_rows_head(model, rows, ids):
+        cut = model(tokens).logits  # (6, 5)
+    assert cut.shape == (6, 5)
+    torch.testing.assert_close(cut.detach(), full[loss_mask][:, ids])
     cut.sum().backward()  # after the block, as the trainer's backward runs
     grad = model.lm_head.weight.grad  # (40, H)
     assert sorted(torch.nonzero(grad.abs().sum(-1)).flatten().tolist()) == [1, 2, 7, 12, 30]
@@ -105,7 +108,7 @@ def test_cached_teacher_on_the_kept_ids_is_the_dense_caches(top_k, temperature):
     ids = torch.tensor([8, 0, 5, 2, 9])
     dense = densify_topk(top.indices, top.values, 10)  # (M, V)
     want = torch.log_softmax(dense / temperature, -1)[:, ids]
-    got = teacher_cache.subset_logprobs(top.indices, top.values, ids, 10, temperature)
+    got = teacher_cache.topk_teacher(top.indices, top.values, 10, ids, temperature).dense()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -120,7 +123,9 @@ def test_cache_is_named_by_content_and_entries_are_found_by_content(tmp_path):
     assert teacher_cache.cache_key("t", torch.bfloat16, examples, 3, 1.0) != key
     assert teacher_cache.cache_key("t", torch.float32, examples[:2], 3, 1.0) != key
     model = tiny_llama(vocab=12, seed=4)
-    folder = teacher_cache.build(model, examples, tmp_path / key, top_k=3, batch_size=2, progress=False)
+    folder = teacher_cache.build(
+        model, examples, tmp_path / key, teacher_cache.StoreFormat(3), batch_size=2, progress=False
+    )
     meta = (folder / "meta.json").read_text()
     assert '"examples": 2' in meta and '"tokens": 4' in meta
     second, first = teacher_cache.Store(folder).lookup([examples[1], examples[0]])
