@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,6 +15,12 @@ from draftsmith.checks import check_eval_options
 from draftsmith.distill.drafts import KINDS, DraftKind, kind_of_folder, kind_of_model, load_draft, named_draft
 from draftsmith.draft_options import draft_option_args, parse_draft_options
 from draftsmith.engine_eval import check_engine_eval_options, engine_eval_options, engine_report, show_engine_report
+from draftsmith.eval_batch_sizes import (
+    batch_size_options,
+    check_batch_size_options,
+    format_batch_sizes,
+    measure_batch_sizes,
+)
 from draftsmith.options import GAMMA, device_options, draft_vocab_option, pace_option, progress_option, prompt_options
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import CACHE_KINDS
@@ -40,6 +47,7 @@ from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.tree import TreeShape
+from draftsmith.train import batch_schedule
 from draftsmith.train.profile import profile_target
 from draftsmith.train.speedup import does_not_pay
 
@@ -69,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
             pace_option(),
             draft_option_args(),
             engine_eval_options(),
+            batch_size_options(),
         ],
     )
     p.add_argument(
@@ -208,6 +217,8 @@ def _published_settings(args) -> None:
     args.gamma_source = "--gamma" if args.gamma is not None else "generation_config.json" if carried else "default"
     if args.gamma is None:
         args.gamma = carried.gamma if carried else GAMMA
+        if carried and args.batch_sizes is None:
+            published_batch_gamma(args, folder)
     if args.draft_vocab is None:
         # A kind whose vocabulary is its own (cut at load, not by the generic head) carries it itself.
         cut = (folder / draft_vocab.FILE).is_file() and not args.compare_hf and kind is not None and kind.cuts_head
@@ -216,8 +227,31 @@ def _published_settings(args) -> None:
     carried_tree = carried.tree if carried else None
     args.tree_source = "--tree" if args.tree is not None else None
     chain_asked = args.gamma_source == "--gamma" or args.confidence_threshold is not None or args.batch_size != 1
+    chain_asked = chain_asked or args.batch_sizes is not None
     if args.tree is None and carried_tree and not chain_asked:
         args.tree, args.tree_source = carried_tree, "generation_config.json"
+
+
+def published_batch_gamma(args: argparse.Namespace, folder: Path) -> None:
+    """The gamma a published ``folder`` carries for ``--batch-size`` (its generation config's
+    ``draftsmith`` schedule, ``batch_schedule.read_schedule``) into ``args.gamma``, said in one line.
+    Batch 1 keeps ``num_assistant_tokens`` (the schedule's batch-1 gamma, or 0); a size the schedule
+    gives 0, where drafting measured slower than the target alone, is measured at that gamma too,
+    since measuring the draft is what eval was asked for."""
+    ranges = batch_schedule.read_schedule(folder)
+    where = f"generation_config.json draftsmith.{batch_schedule.SCHEDULE_KEY}"
+    size = args.batch_size
+    served = batch_schedule.gamma_for_batch(ranges, size) if ranges else None
+    if served == 0:
+        print(
+            f"gamma {args.gamma}: {folder}'s schedule ({where}) turns drafting off at batch size {size}, where it "
+            "measured slower than the target alone; measuring at its batch-1 gamma (num_assistant_tokens) anyway "
+            "(--gamma chooses another)"
+        )
+        return
+    if served is not None and size != 1:
+        args.gamma, args.gamma_source = served, where
+    print(f"gamma {args.gamma}: {folder}'s published gamma for batch size {size} ({args.gamma_source})")
 
 
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
@@ -271,6 +305,18 @@ def load_pair(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
     return tokenizer, target, draft, kind
 
 
+def measured_pair(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple:
+    """(tokenizer, target, draft) in ``dtype`` as eval measures them: the draft's head cut to
+    ``--draft-vocab`` and the few-row products as ``--matmul`` says."""
+    tokenizer, target, draft, kind = load_pair(args, device, dtype)
+    if args.draft_vocab:
+        draft = _cut_head(args, draft, kind, eos_token_ids(target, tokenizer))
+    if args.matmul != "auto":
+        for model in (target, draft):
+            use_column_products(model, args.matmul == "columns")
+    return tokenizer, target, draft
+
+
 def warn_other_target(draft: str, target: str) -> None:
     """A published draft measured against another target than ``target``: say so, naming both (its
     figures and gamma were measured there, and its acceptance here may be anything)."""
@@ -292,12 +338,20 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size": args.batch_size != 1,
     }
     not_in_engine.update({"--confidence-threshold": args.confidence_threshold, "--draft-vocab": args.draft_vocab})
+    batch_plan = check_batch_size_options(args)  # before --engine sets its batch sizes
     engine_batch_sizes = check_engine_eval_options(args, not_in_engine)
     warn_other_target(args.draft, args.target)
     _published_settings(args)
     options = decode_options(args)
     prompts = read_prompts(args.prompts, all_turns=args.all_turns)[: args.limit]
     device = resolve_device(args.device)
+    if batch_plan is not None:
+        report = measure_batch_sizes(args, options, prompts, device, partial(measured_pair, args, device), batch_plan)
+        print(format_batch_sizes(report))
+        if args.json_out:
+            write_text(Path(args.json_out), json.dumps({**report, "machine": machine.machine()}, indent=2))
+            print(f"report written to {args.json_out}")
+        return 0
     dtype = eval_dtype(args, device)
     tokenizer, target, draft, kind = load_pair(args, device, dtype)
     kind.check_decode_options(options.draft_options)

@@ -8,7 +8,13 @@ from pathlib import Path
 from draftsmith.checks import check_measure_options, run_context, run_vocab_size
 from draftsmith.distill.drafts import kind_named
 from draftsmith.draft_options import draft_option_args, parse_draft_options
-from draftsmith.engine_eval import ENGINE_REPORT, check_engine_eval_options, engine_eval_options, engine_run_report
+from draftsmith.engine_eval import (
+    ENGINE_REPORT,
+    check_engine_eval_options,
+    engine_eval_options,
+    engine_run_report,
+    engine_run_schedule,
+)
 from draftsmith.options import (
     device_options,
     draft_vocab_option,
@@ -123,4 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         if engine_batch_sizes:  # --engine vllm: the best draft in vLLM beside the bundled decoder
             engine_run_report(run_dir, report, args, engine_batch_sizes)
             print((run_dir / ENGINE_REPORT).read_text())
+        if engine_batch_sizes and len(settings.batch_sizes) > 1:  # and its fastest gamma at each size there
+            print(engine_run_schedule(run_dir, report, args, gammas, list(settings.batch_sizes)))
     return 0

@@ -49,10 +49,14 @@ def dataset_provenance(cfg: DistillConfig) -> dict:
     return out
 
 
-def draft_profile(cfg: DistillConfig, ckpt: Path, report: dict, results: dict, target) -> dict:
+def draft_profile(
+    cfg: DistillConfig, ckpt: Path, report: dict, results: dict, target, schedule: dict | None = None
+) -> dict:
     """The profile of checkpoint ``ckpt``: ``results`` its figures per temperature as its card gives
     them (``speedup.card_figures``), ``report`` the run's eval-run report as ``speedup.load_report`` reads
-    it (without ``temperatures`` when the run was never measured)."""
+    it (without ``temperatures`` when the run was never measured), ``schedule`` its gammas by batch
+    size (``publish.measured_schedule``: each size's figures with the dtype it ran in, and the ranges
+    written into ``generation_config.json`` and the card's vLLM config)."""
     acceptance = {
         temp: {
             "gamma": r["best_gamma"],
@@ -77,7 +81,12 @@ def draft_profile(cfg: DistillConfig, ckpt: Path, report: dict, results: dict, t
         "config": flat_settings(cfg),
         "draftsmith_version": importlib.metadata.version("draftsmith"),
     }
-    return {"acceptance": acceptance, "measured_under": {**under, **machine}, "provenance": provenance}
+    return {
+        "acceptance": acceptance,
+        "gamma_by_batch_size": schedule,
+        "measured_under": {**under, **machine},
+        "provenance": provenance,
+    }
 
 
 def write_profile(folder: Path, profile: dict) -> None:

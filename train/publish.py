@@ -26,11 +26,11 @@ from draftsmith.specdec.files import atomic_path, check_writable
 from draftsmith.specdec.loading import check_compatible, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat
-from draftsmith.train import checkpoint
+from draftsmith.train import batch_schedule, checkpoint
 from draftsmith.train.config import RUN_CONFIG, DistillConfig, draft_settings
 from draftsmith.train.models import RunModels
-from draftsmith.train.profile import draft_profile, profile_lines, write_profile
-from draftsmith.train.speedup import BEST, REPORT, card_figures, does_not_pay, load_report
+from draftsmith.train.profile import draft_profile, figure, profile_lines, write_profile
+from draftsmith.train.speedup import BEST, REPORT, batch_one_entry, card_figures, does_not_pay, load_report, schedule_of
 
 GAMMA = 4  # draft tokens per round of an unmeasured draft (eval's default)
 # Hub ids of the built-in aliases, for the model card's base_model.
@@ -96,15 +96,18 @@ def publish(
     report = load_report(run_dir)  # eval-run's report, read once ({"results": {}} when never measured)
     measured = measured_settings(report, run_dir, ckpt)
     serving = Serving(gamma=measured["gamma"], tree=measured_tree(report, ckpt))
+    schedule = measured_schedule(report, ckpt)
     with atomic_path(out) as tmp:
         tmp.mkdir()
         kind.export(draft, tokenizer, tmp, serving)
+        if schedule is not None:  # draftsmith's decoder reads the gammas it measured; vLLM's come in the card
+            batch_schedule.write_schedule(tmp, schedule["bundled"][batch_schedule.SCHEDULE_KEY])
         if measured["draft_vocab"]:
             # The head cut the measurement used: eval on the published folder drafts with it too.
             ranking = draft_vocab.load_ranking(run_dir, measured["draft_vocab"])
             draft_vocab.save_ranking(tmp, ranking)
         results = measured_results(report, ckpt)
-        profile = draft_profile(cfg, ckpt, report, results, target)
+        profile = draft_profile(cfg, ckpt, report, results, target, schedule)
         write_profile(tmp, profile)
         ref = repo_id or str(out.resolve())
         card = model_card(cfg, ckpt, kind, tmp, draft_ref=ref, license=license, measured=(report, results, profile))
@@ -222,6 +225,28 @@ def measured_tree(report: dict, ckpt: Path) -> str | None:
     return first.get("best_tree")
 
 
+def measured_schedule(report: dict, ckpt: Path) -> dict | None:
+    """The gammas by batch size eval-run chose for ``ckpt`` at the report's first temperature, or None
+    where it was not measured: ``bundled``, the bundled decoder's (its ``by_batch_size`` entries and
+    their ranges; batch 1 alone, from the checkpoint's own figures, where it was not chosen at more
+    sizes), and ``vllm``, the engine's (``engine_eval.engine_run_schedule``) when ``eval-run --engine
+    vllm --batch-sizes`` measured this checkpoint, else None."""
+    by_temp = report["results"].get(ckpt.name, {})
+    first = str(report["temperatures"][0]) if by_temp else None
+    if first not in by_temp:
+        return None
+    result = by_temp[first]
+    under = {"dtype": report.get("dtype"), "matmul": report.get("matmul")}
+    entries = result.get("by_batch_size") or {"1": batch_one_entry(result, None, under)}
+    engine = report.get("engine_schedule")
+    same = engine is not None and engine["checkpoint"] == ckpt.name and str(engine["temperature"]) == first
+    return {
+        "temperature": float(first),
+        "bundled": {"by_batch_size": entries, batch_schedule.SCHEDULE_KEY: schedule_of(entries)},
+        "vllm": engine if same else None,
+    }
+
+
 def is_hub_id(name: str) -> bool:
     """``owner/name`` as the hub spells a repository, and not a local path."""
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
@@ -277,7 +302,10 @@ def model_card(
     else:
         lines.append("Not measured yet: run `draftsmith eval-run` on the training run before publishing.")
     gamma = next(iter(results.values()))["best_gamma"] if results else GAMMA
-    text = "\n".join(lines + kind.card_usage(target, draft_ref, gamma))
+    lines += kind.card_usage(target, draft_ref, gamma)
+    if profile.get("gamma_by_batch_size"):
+        lines += schedule_lines(profile["gamma_by_batch_size"], kind, Path(draft_ref), gamma)
+    text = "\n".join(lines)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}")
 
 
@@ -371,6 +399,57 @@ def _measured(report: dict, results: dict) -> list[str]:
             "transformers and vLLM draft the chain.",
         ]
     return lines
+
+
+def schedule_lines(schedule: dict, kind: DraftKind, folder: Path, gamma: int) -> list[str]:
+    """The card's section on gamma per batch size (``measured_schedule``): what was measured at each
+    size, where the schedule is carried, and the speculative config vLLM reads it from (the kind's
+    ``engine_config`` for ``folder`` with the schedule measured in vLLM where it was, else the bundled
+    decoder's; ``gamma``: the chain gamma of batch 1)."""
+    key = batch_schedule.SCHEDULE_KEY
+    bundled, vllm = schedule["bundled"], schedule["vllm"]
+    lines = [
+        "",
+        "## Gamma per batch size",
+        "",
+        f"Measured by `draftsmith eval-run --batch-sizes` at temperature {schedule['temperature']}: at each batch "
+        "size the gamma is chosen as at batch 1, beside the target alone at that size, and a size where drafting "
+        "measured slower than the target alone gets gamma 0 (drafting off).",
+        "",
+        "| batch size | measured in | best gamma | speedup there | gamma served |",
+        "|---|---|---|---|---|",
+    ]
+    for size, e in sorted(bundled["by_batch_size"].items(), key=lambda item: int(item[0])):
+        engine = f"draftsmith's decoder, {e['dtype']}"
+        lines.append(f"| {size} | {engine} | {e['best_gamma']} | {figure(e['speedup'], '.2f', 'x')} | {e['gamma']} |")
+    for size, e in sorted((vllm or {}).get("by_batch_size", {}).items(), key=lambda item: int(item[0])):
+        engine = f"vLLM {vllm['engine_version']}, {vllm['dtype']}"
+        lines.append(f"| {size} | {engine} | {e['best_gamma']} | {figure(e['speedup'], '.2f', 'x')} | {e['gamma']} |")
+    lines += [
+        "",
+        f"`generation_config.json` carries the bundled decoder's schedule as `draftsmith.{key}` "
+        f"({batch_schedule.format_ranges(bundled[key])}: inclusive batch-size ranges and their gamma); "
+        "`draftsmith eval --draft` on this folder drafts the gamma of its `--batch-size`, and transformers keeps "
+        f"`num_assistant_tokens` ({gamma}), the gamma of batch 1.",
+    ]
+    try:
+        config = kind.engine_config(folder)
+    except DraftsmithError:  # a kind no serving engine runs: draftsmith's decoder alone reads the schedule
+        return lines + [""]
+    ranges = vllm[key] if vllm else bundled[key]
+    config |= {"num_speculative_tokens": batch_schedule.engine_gamma(ranges, gamma), key: [tuple(r) for r in ranges]}
+    measured_by = f"vLLM {vllm['engine_version']}" if vllm else "draftsmith's decoder (not measured in vLLM)"
+    return lines + [
+        "",
+        f"vLLM 0.32 and later switch gamma with the batch size by `{key}` in the speculative config (a batch "
+        f"past the last range takes its gamma; each is capped at `num_speculative_tokens`). As measured by "
+        f"{measured_by}:",
+        "",
+        "```python",
+        f"speculative_config = {config!r}",
+        "```",
+        "",
+    ]
 
 
 def push(folder: Path, repo_id: str, private: bool) -> None:

@@ -411,6 +411,22 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines + _batch_size_lines(report)) + "\n"
 
 
+def batch_size_rows(entries: dict[str, dict]) -> list[str]:
+    """A Markdown table of a draft's entries by batch size (``batch_size_entry``)."""
+    rows = [
+        "| batch size | dtype | prompts | best gamma | alpha | measured speedup | gamma served |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size, e in sorted(entries.items(), key=lambda item: int(item[0])):
+        alpha = "-" if e["acceptance_rate"] is None else f"{e['acceptance_rate']:.3f}"
+        prompts = "-" if e["prompts"] is None else e["prompts"]
+        rows.append(
+            f"| {size} | {e['dtype']} | {prompts} | {e['best_gamma']} | {alpha} | {e['speedup']:.2f}{_range(e)} | "
+            f"{e['gamma']} |"
+        )
+    return rows
+
+
 def _batch_size_lines(report: dict) -> list[str]:
     """The best draft's gamma per batch size (``by_batch_size``), when it was chosen at more than batch 1."""
     temperature = str(report["temperatures"][0])
@@ -425,15 +441,21 @@ def _batch_size_lines(report: dict) -> list[str]:
         "beside the target alone at that size; gamma 0 where drafting measured slower than the target alone). "
         f"vLLM's `{batch_schedule.SCHEDULE_KEY}`: `{ranges}`.",
         "",
-        "| batch size | dtype | prompts | best gamma | alpha | measured speedup | gamma served |",
-        "|---|---|---|---|---|---|---|",
+        *batch_size_rows(entries),
     ]
-    for size, e in sorted(entries.items(), key=lambda item: int(item[0])):
-        alpha = "-" if e["acceptance_rate"] is None else f"{e['acceptance_rate']:.3f}"
-        lines.append(
-            f"| {size} | {e['dtype']} | {e['prompts']} | {e['best_gamma']} | {alpha} | "
-            f"{e['speedup']:.2f}{_range(e)} | {e['gamma']} |"
-        )
+    engine = report.get("engine_schedule")
+    if engine and engine["checkpoint"] == report["best"] and str(engine["temperature"]) == temperature:
+        lines += [
+            "",
+            f"In vLLM {engine['engine_version']} ({engine['dtype']}; every gamma of {engine['gammas']} measured beside "
+            f"the target alone): `{batch_schedule.format_ranges(engine[batch_schedule.SCHEDULE_KEY])}`.",
+            "",
+            "| batch size | speedup by gamma | fastest gamma | gamma served |",
+            "|---|---|---|---|",
+        ]
+        for size, e in sorted(engine["by_batch_size"].items(), key=lambda item: int(item[0])):
+            each = ", ".join(f"{g}: {x:.2f}" for g, x in e["speedup_by_gamma"].items())
+            lines.append(f"| {size} | {each} | {e['best_gamma']} | {e['gamma']} |")
     return lines
 
 

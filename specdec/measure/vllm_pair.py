@@ -19,8 +19,15 @@ from contextlib import ExitStack, contextmanager
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import resolve_device
 from draftsmith.specdec.measure.report import EngineReport
+from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.sampling import SamplingParams
-from draftsmith.specdec.vllm_client import Completion, SpecCounters, complete_batch, read_spec_counters
+from draftsmith.specdec.vllm_client import (
+    Completion,
+    SpecCounters,
+    complete_batch,
+    engine_version,
+    read_spec_counters,
+)
 from draftsmith.specdec.vllm_server import Engine, ServeOptions, Server, serve
 
 # Two servers share one GPU during a measurement; vLLM's default would give each 92 % of its memory.
@@ -43,6 +50,41 @@ def serve_pair(
         baseline = stack.enter_context(serve(target, options, engine=engine))
         speculative_server = serve(target, options, speculative=speculative, gamma=gamma, engine=engine)
         yield baseline, stack.enter_context(speculative_server)
+
+
+def measure_engine_gammas(
+    target: str,
+    speculative: dict,
+    gammas: list[int],
+    prompts_by_size: dict[int, list[list[int]]],
+    settings: MeasureSettings,
+    options: ServeOptions,
+    engine: Engine | None = None,
+) -> tuple[str, dict[int, dict[int, EngineReport]]]:
+    """Each of ``gammas`` at each batch size in vLLM, beside the target alone: one server of the target
+    alone for the whole search, and one with the draft of ``speculative`` per gamma in turn (a server's
+    gamma is fixed when it starts); at each batch size the two are measured interleaved repeat by
+    repeat (``measure_engine_pair``) on ``prompts_by_size[size]`` (token ids).
+
+    settings: the new tokens, sampling, repeats and seed of every measurement (its prompts and batch
+    size are not read). options: how the servers run (on a GPU each takes at most
+    ``PAIR_GPU_MEMORY_FRACTION`` of its memory unless ``options`` says otherwise).
+    Returns the engine's version and the reports by batch size, then gamma.
+    """
+    if resolve_device(options.device).type == "cuda" and options.memory_fraction is None:
+        options = dataclasses.replace(options, memory_fraction=PAIR_GPU_MEMORY_FRACTION)
+    reports: dict[int, dict[int, EngineReport]] = {size: {} for size in prompts_by_size}
+    run = {"max_tokens": settings.max_new_tokens, "sampling": settings.options.sampling}
+    run |= {"repeats": settings.repeats, "seed": settings.seed}
+    with serve(target, options, engine=engine) as baseline:
+        version = engine_version(baseline)
+        for gamma in gammas:
+            with serve(target, options, speculative=speculative, gamma=gamma, engine=engine) as drafted:
+                for size, prompts in prompts_by_size.items():
+                    if settings.progress:
+                        print(f"vLLM, gamma {gamma}, batch {size}: {len(prompts)} prompts")
+                    reports[size][gamma] = measure_engine_pair(baseline, drafted, prompts, batch_size=size, **run)
+    return version, reports
 
 
 def _timed_run(
