@@ -2,7 +2,9 @@
 the target's hidden states, those states at every position, so training runs no target forward.
 
 For every training example, at the positions that count in the loss, the cache keeps the target's
-``k`` most likely token ids (int32) and their log-probabilities (float16): ``6 k`` bytes per token.
+``k`` most likely token ids (int32) and their log-probabilities (float16): ``6 k`` bytes per token; a
+compact ``Encoding`` keeps the ids as uint16 (a vocabulary of up to 65536 tokens) and the log-probs as
+uint8 steps of ``LOGPROB_STEP`` nats (``3 k`` bytes), each shard saying how it is encoded.
 It is written as ``safetensors`` shards of ``shard_size`` examples, each written atomically, with
 ``meta.json`` written last: a folder without it is incomplete and rebuilt.
 The trainer reads it back at the loss rows (``rows_teacher_log_probs``: the top k kept, the rest of
@@ -33,6 +35,7 @@ import math
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,7 +46,8 @@ from transformers import PreTrainedModel
 
 from draftsmith.distill import vocab_cut
 from draftsmith.distill.data import collate, length_buckets
-from draftsmith.distill.losses import TopkTeacher, densify_topk
+from draftsmith.distill.dataset_builder import ProcessGroup
+from draftsmith.distill.losses import TopkTeacher
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path, write_text
 from draftsmith.specdec.loading import draftsmith_home
@@ -52,6 +56,86 @@ from draftsmith.specdec.loading import draftsmith_home
 # rotary frequencies in float32 for a bfloat16 target, as from_pretrained and every decoder here do
 # (revision 1, unmarked, had rounded them to bfloat16: its stores are not reused).
 TEACHER_REVISION = 2
+
+# uint8 log-probs: -log p in steps of 1/16 nat, 0 to 255 (log p down to -15.9; lower is clipped there).
+# Rounding moves a probability by at most e^(1/32) - 1 = 3.2 % of itself.
+LOGPROB_STEP = 1 / 16
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a store keeps its top-k entries: token ids as ``int32`` or ``uint16`` (a vocabulary of up to
+    65536 tokens), log-probs as ``float16`` or ``uint8`` (-log p in steps of ``LOGPROB_STEP``, the step
+    written into each shard beside them)."""
+
+    indices: str = "int32"
+    logprobs: str = "float16"
+
+    def __post_init__(self):
+        if self.indices not in ("int32", "uint16") or self.logprobs not in ("float16", "uint8"):
+            raise DraftsmithError(
+                f"a teacher cache keeps token ids as int32 or uint16 and log-probs as float16 or uint8, got "
+                f"{self.indices} and {self.logprobs}"
+            )
+
+    @property
+    def bytes_per_entry(self) -> int:
+        return (4 if self.indices == "int32" else 2) + (2 if self.logprobs == "float16" else 1)
+
+    def error(self) -> float:
+        """The most a stored log-prob differs from the one computed (nats): float16 rounding of values
+        down to -16 (its spacing there, 2^-7, halved), or half a uint8 step."""
+        return 2**-8 if self.logprobs == "float16" else LOGPROB_STEP / 2
+
+    def tensors(self, ids: torch.Tensor, logps: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The shard tensors of ids (N, k) and log-probs (N, k) in this encoding."""
+        if self.indices == "uint16" and len(ids) and int(ids.max()) >= 2**16:
+            raise DraftsmithError(
+                f"token id {int(ids.max())} does not fit uint16 indices; use int32 for this vocabulary"
+            )
+        out = {"indices": ids.to(torch.int32).to(getattr(torch, self.indices))}
+        if self.logprobs == "float16":
+            return out | {"logprobs": logps.to(torch.float16)}
+        steps = (-logps.float() / LOGPROB_STEP).round().clamp(0, 255)
+        return out | {"logprobs": steps.to(torch.uint8), "logprob_step": torch.tensor([LOGPROB_STEP])}
+
+    @classmethod
+    def for_vocab(cls, vocab_size: int, logprobs: str = "float16") -> Encoding:
+        """uint16 ids where the vocabulary fits them, else int32."""
+        return cls("uint16" if vocab_size <= 2**16 else "int32", logprobs)
+
+    @property
+    def name(self) -> str:
+        return f"{self.indices}-{self.logprobs}"
+
+
+def decode_logprobs(values: torch.Tensor, step: float | None) -> torch.Tensor:
+    """Stored log-probs as float32: float16 as they are, uint8 as -``step`` times their value."""
+    return values.float() if values.dtype != torch.uint8 else values.float() * -step
+
+
+def shard_step(f) -> float | None:
+    """The uint8 log-prob step an open shard was written with (None: its log-probs are float16)."""
+    return float(f.get_tensor("logprob_step")[0]) if "logprob_step" in set(f.keys()) else None
+
+
+@dataclass(frozen=True)
+class StoreFormat:
+    """What a store holds and how: the target's ``top_k`` tokens at each loss position in ``encoding``,
+    and the hidden states entering ``layers`` in ``hidden_dtype``; ``shard_rows`` examples a shard."""
+
+    top_k: int
+    layers: tuple[int, ...] = ()
+    hidden_dtype: torch.dtype = torch.bfloat16
+    encoding: Encoding = field(default_factory=Encoding)
+    shard_rows: int = 256
+
+    def describe(self) -> dict:
+        """What meta.json says of it."""
+        out = {"top_k": self.top_k, "encoding": asdict(self.encoding)}
+        if self.layers:
+            out |= {"layers": sorted(self.layers), "hidden_dtype": dtype_name(self.hidden_dtype)}
+        return out
 
 
 def example_digest(example: dict) -> bytes:
@@ -138,17 +222,18 @@ def disk_free(folder: Path) -> int:
 
 
 def store_bytes(examples: list[dict], top_k: int, layers: Sequence[int], hidden_size: int, hidden_dtype) -> int:
-    """The bytes a store of ``examples`` takes: 6 k per loss token (int32 ids, float16 log-probs) and,
-    per stored layer, H values of ``hidden_dtype`` per position."""
+    """The bytes a store of ``examples`` takes at most: 6 k per loss token (int32 ids, float16 log-probs;
+    a compact ``Encoding`` takes less) and, per stored layer, H values of ``hidden_dtype`` per position."""
     loss_tokens = sum(sum(e["loss_mask"]) for e in examples)
     positions = sum(len(e["input_ids"]) for e in examples)
     item = torch.empty((), dtype=hidden_dtype).element_size()
     return 6 * top_k * loss_tokens + positions * len(layers) * hidden_size * item
 
 
-def check_space(folder: Path, needed: int, free_bytes: Callable[[Path], int] = disk_free, say: bool = True) -> None:
-    """Print the size a build will take and the free disk; refuse, in one line, a build that does not fit."""
-    free = free_bytes(folder)
+def check_space(folder: Path, needed: int, free_bytes: Callable[[Path], int] | None = None, say: bool = True) -> None:
+    """Print the size a build will take and the free disk (``free_bytes``, else ``disk_free``); refuse, in
+    one line, a build that does not fit."""
+    free = (free_bytes or disk_free)(folder)
     if say:
         print(f"teacher store: {size_text(needed)} to write into {folder}; {size_text(free)} free", file=sys.stderr)
     if needed > free:
@@ -172,54 +257,47 @@ def build(
     target: PreTrainedModel,
     examples: list[dict],
     folder: Path,
-    top_k: int,
+    fmt: StoreFormat,
+    group: ProcessGroup | None = None,
     batch_size: int = 8,
-    shard_size: int = 256,
-    pad_id: int = 0,
     progress: bool = True,
-    layers: Sequence[int] = (),
-    hidden_dtype: torch.dtype = torch.bfloat16,
-    part: tuple[int, int] = (0, 1),
-    barrier: Callable[[], None] = lambda: None,
-    free_bytes: Callable[[Path], int] = disk_free,
     target_key: str = "",
 ) -> Path:
-    """Run the target once over ``examples`` and write the top-k cache (and the hidden states entering
-    ``layers``, in ``hidden_dtype``) into ``folder``.
+    """Run the target once over ``examples`` and write the store ``fmt`` describes into ``folder``: the
+    top-k at the loss positions (and the hidden states entering ``fmt.layers``), ``fmt.shard_rows``
+    examples a shard.
 
-    part: (this process, processes): each writes the shards ``shard % processes == this process`` (a
-    shard already written is kept: an interrupted build resumes); ``barrier`` waits for all of them,
-    then the first writes ``meta.json``. The size is checked against ``free_bytes`` first."""
+    group: this process among the processes building it: each writes the shards ``shard % count ==
+    index`` (a shard already written is kept: an interrupted build resumes); its barrier waits for all
+    of them, then the first writes ``meta.json``. The size is checked against the free disk first."""
     if (folder / "meta.json").is_file():
         return folder
+    group = group or ProcessGroup()
     digests, examples = unique_examples(examples)  # a repeated example is run once
-    made_by = {"target": target.name_or_path, "dtype": dtype_name(target.dtype), "top_k": top_k}
+    made_by = {"target": target.name_or_path, "dtype": dtype_name(target.dtype), **fmt.describe()}
     made_by |= {"content": content_digest(digests), "target_key": target_key, "teacher_revision": TEACHER_REVISION}
-    if layers:
-        made_by |= {"layers": sorted(layers), "hidden_dtype": dtype_name(hidden_dtype)}
+    if fmt.layers:
         made_by["hidden_size"] = target.config.hidden_size
-    rank, processes = part
     if progress:
         say_why_not_reused(folder, made_by)
-    check_space(
-        folder, store_bytes(examples, top_k, layers, target.config.hidden_size, hidden_dtype), free_bytes, rank == 0
-    )
+    needed = store_bytes(examples, fmt.top_k, fmt.layers, target.config.hidden_size, fmt.hidden_dtype)
+    check_space(folder, needed, say=group.is_main)
     folder.mkdir(parents=True, exist_ok=True)
-    n_shards = (len(examples) + shard_size - 1) // shard_size
-    mine = [shard for shard in range(n_shards) if shard % processes == rank]
+    size, pad = fmt.shard_rows, target.config.pad_token_id or 0  # right padding: its value changes no row
+    n_shards = (len(examples) + size - 1) // size
+    mine = [shard for shard in range(n_shards) if shard % group.count == group.index]
     for shard in tqdm(mine, desc="teacher cache", disable=not progress, unit="shard"):
         if (folder / shard_name(shard)).is_file():
             continue
-        chunk = examples[shard * shard_size : (shard + 1) * shard_size]
-        ids, logps, hidden = chunk_features(target, chunk, top_k, layers, batch_size, pad_id)
-        write_shard(
-            folder, shard, digests[shard * shard_size : (shard + 1) * shard_size], ids, logps, hidden, hidden_dtype
-        )
-    barrier()
-    if rank == 0:
+        chunk = examples[shard * size : (shard + 1) * size]
+        ids, logps, hidden = chunk_features(target, chunk, fmt.top_k, fmt.layers, batch_size, pad)
+        chunk_digests = digests[shard * size : (shard + 1) * size]
+        write_shard(folder, shard, chunk_digests, ids, logps, hidden, fmt.hidden_dtype, fmt.encoding)
+    group.barrier()
+    if group.is_main:
         tokens = sum(sum(e["loss_mask"]) for e in examples)
-        write_meta(folder, len(examples), tokens, top_k, n_shards, made_by)
-    barrier()
+        write_meta(folder, len(examples), tokens, fmt.top_k, n_shards, made_by)
+    group.barrier()
     return folder
 
 
@@ -284,29 +362,28 @@ def save(
     folder: Path,
     examples: list[dict],
     entries: list[tuple[torch.Tensor, torch.Tensor]],
-    top_k: int,
-    shard_size: int = 256,
+    fmt: StoreFormat,
     hidden: list[dict[int, torch.Tensor]] | None = None,
-    hidden_dtype: torch.dtype = torch.bfloat16,
     made_by: dict | None = None,
 ) -> Path:
     """Write ``entries`` computed elsewhere (e.g. a serving engine's prompt log-probs), one per example:
-    (indices (N, k), log-probs (N, k)) at its N loss positions, as ``build`` writes them; ``hidden``:
-    per example {layer: (L, H)} its hidden states (a vLLM server's), stored in ``hidden_dtype``.
-    made_by: what ``meta.json`` says of how it was made (``build``'s fields)."""
+    (indices (N, k), log-probs (N, k)) at its N loss positions, as ``build`` writes them in ``fmt``;
+    ``hidden``: per example {layer: (L, H)} its hidden states (a vLLM server's), stored in
+    ``fmt.hidden_dtype``. made_by: what ``meta.json`` says of how it was made (``build``'s fields)."""
     by_digest = {example_digest(e): entry for e, entry in zip(examples, entries, strict=True)}
     states = {example_digest(e): h for e, h in zip(examples, hidden, strict=True)} if hidden else {}
     layers = sorted(next(iter(states.values()))) if states else []
     digests = unique_examples(examples)[0]
     folder.mkdir(parents=True, exist_ok=True)
-    n_shards = (len(digests) + shard_size - 1) // shard_size
+    size = fmt.shard_rows
+    n_shards = (len(digests) + size - 1) // size
     tokens = 0
     for shard in range(n_shards):
-        chunk = digests[shard * shard_size : (shard + 1) * shard_size]
+        chunk = digests[shard * size : (shard + 1) * size]
         chunk_hidden = {layer: [states[d][layer] for d in chunk] for layer in layers}
         ids, logps = [by_digest[d][0] for d in chunk], [by_digest[d][1] for d in chunk]
-        tokens += write_shard(folder, shard, chunk, ids, logps, chunk_hidden, hidden_dtype)
-    write_meta(folder, len(digests), tokens, top_k, n_shards, made_by)
+        tokens += write_shard(folder, shard, chunk, ids, logps, chunk_hidden, fmt.hidden_dtype, fmt.encoding)
+    write_meta(folder, len(digests), tokens, fmt.top_k, n_shards, {**fmt.describe(), **(made_by or {})})
     return folder
 
 
@@ -393,14 +470,15 @@ def write_shard(
     logps: list[torch.Tensor],
     hidden: dict[int, list[torch.Tensor]] | None = None,
     hidden_dtype: torch.dtype = torch.bfloat16,
+    encoding: Encoding | None = None,
 ) -> int:
-    """One shard file, atomically: per example its digest and its (N, k) token ids (int32) and
-    log-probs (float16), and per layer of ``hidden`` its (L, H) states in ``hidden_dtype`` (rows of the
-    examples one after the other, ``lengths`` L each); returns the tokens (loss positions) written."""
+    """One shard file, atomically: per example its digest and its (N, k) token ids and log-probs in
+    ``encoding`` (int32 and float16 by default), and per layer of ``hidden`` its (L, H) states in
+    ``hidden_dtype`` (rows of the examples one after the other, ``lengths`` L each); returns the tokens
+    (loss positions) written."""
     counts = [len(i) for i in ids]
-    tensors = {
-        "indices": torch.cat(ids).to(torch.int32),
-        "logprobs": torch.cat(logps).to(torch.float16),
+    tensors = (encoding or Encoding()).tensors(torch.cat(ids), torch.cat(logps))
+    tensors |= {
         "counts": torch.tensor(counts),
         "digests": torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).view(-1, 16),
     }
@@ -415,8 +493,9 @@ def write_shard(
 def write_meta(folder: Path, examples: int, tokens: int, top_k: int, shards: int, made_by: dict | None = None) -> None:
     """meta.json, written last: a cache folder without it is incomplete. made_by: the target, dtype and
     content digest it was computed with (how a cache made another way is named when not reused)."""
-    meta = {"examples": examples, "tokens": tokens, "top_k": top_k, "shards": shards, "bytes_per_token": 6 * top_k}
+    meta = {"examples": examples, "tokens": tokens, "top_k": top_k, "shards": shards}
     meta |= made_by or {}
+    meta["bytes_per_token"] = Encoding(**meta.get("encoding", {})).bytes_per_entry * top_k
     meta["files"] = sorted(p.name for p in folder.glob("shard-*.safetensors"))
     meta["shards"] = len(meta["files"])
     write_text(folder / "meta.json", json.dumps(meta, indent=2))
@@ -433,7 +512,8 @@ def read_entries(folder: Path) -> list[tuple[bytes, tuple[torch.Tensor, torch.Te
     for name in shard_files(folder):
         with safe_open(folder / name, framework="pt") as f:  # the top-k only: hidden states stay on disk
             data = {key: f.get_tensor(key) for key in ("indices", "logprobs", "counts", "digests")}
-        ids, logps = data["indices"].long(), data["logprobs"].float()
+            step = shard_step(f)
+        ids, logps = data["indices"].long(), decode_logprobs(data["logprobs"], step)
         digests = [bytes(row) for row in data["digests"].tolist()]
         offset = 0
         for digest, count in zip(digests, data["counts"].tolist(), strict=True):
@@ -466,11 +546,14 @@ class StoredEntries(Mapping):
 
     def __init__(self, where: dict[bytes, tuple[str, int, int]], shard: Callable[[str], object]):
         self.where, self.shard = where, shard
+        self.steps: dict[str, float | None] = {}  # shard file -> its uint8 log-prob step (None: float16)
 
     def __getitem__(self, digest: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         name, start, count = self.where[digest]
         rows, f = slice(start, start + count), self.shard(name)
-        return f.get_slice("indices")[rows].long(), f.get_slice("logprobs")[rows].float()
+        if name not in self.steps:
+            self.steps[name] = shard_step(f)
+        return f.get_slice("indices")[rows].long(), decode_logprobs(f.get_slice("logprobs")[rows], self.steps[name])
 
     def __contains__(self, digest: object) -> bool:
         return digest in self.where
@@ -553,44 +636,6 @@ class Store:
             for layer in layers:
                 out[layer][row, :length] = self.shard(name).get_slice(f"hidden.{layer}")[start : start + length]
         return {layer: states.to(device) for layer, states in out.items()}
-
-
-def dense_teacher_logprobs(
-    entries: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, vocab_size: int
-) -> torch.Tensor:
-    """Teacher log-probs (B, T, V) for a batch whose rows are ``entries``; uniform off the loss mask."""
-    batch, width = mask.shape
-    out = torch.full((batch, width, vocab_size), -math.log(vocab_size), device=mask.device)
-    for row, (ids, logps) in enumerate(entries):
-        out[row, mask[row]] = densify_topk(ids.to(mask.device), logps.to(mask.device), vocab_size)
-    return out
-
-
-def subset_logprobs(
-    indices: torch.Tensor, logprobs: torch.Tensor, ids: torch.Tensor, vocab_size: int, temperature: float = 1.0
-) -> torch.Tensor:
-    """Log-probs at ``temperature`` on the tokens ``ids`` of the distribution ``densify_topk`` makes
-    of a top-k entry (top-k kept, the rest spread evenly): (M, k) ids and log-probs -> (M, N).
-
-    The same values as ``log_softmax(densify_topk(indices, logprobs, V) / temperature)[:, ids]``,
-    normalized over the full vocabulary, without building (M, V)."""
-    return topk_teacher(indices, logprobs, vocab_size, ids, temperature).dense()
-
-
-def subset_teacher_logprobs(
-    entries: list[tuple[torch.Tensor, torch.Tensor]],
-    mask: torch.Tensor,
-    ids: torch.Tensor,
-    vocab_size: int,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """Teacher log-probs (B, T, N) on the tokens ``ids`` for a batch whose rows are ``entries``;
-    uniform off the loss mask (never used there)."""
-    out = torch.full((*mask.shape, len(ids)), -math.log(vocab_size), device=mask.device)
-    indices = torch.cat([e[0] for e in entries]).to(mask.device)  # (M, k): the rows' loss positions in order
-    logprobs = torch.cat([e[1] for e in entries]).to(mask.device)
-    out[mask] = subset_logprobs(indices, logprobs, ids, vocab_size, temperature)
-    return out
 
 
 def topk_teacher(

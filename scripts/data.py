@@ -14,7 +14,9 @@ import argparse
 import dataclasses
 import errno
 import json
+import shlex
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
@@ -33,10 +35,12 @@ from draftsmith.distill.dataset_builder import (
     SelfPromptRequest,
     build_dataset,
     check_settings,
+    draftsmith_version,
+    read_manifest,
     sampling_settings,
     training_examples,
 )
-from draftsmith.distill.dataset_cache import build_dataset_cache, engine_cache_writer, target_cache_writer
+from draftsmith.distill.dataset_cache import build_dataset_cache, cache_folder, engine_cache_writer, target_cache_writer
 from draftsmith.distill.engines import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
@@ -51,7 +55,7 @@ from draftsmith.distill.engines import (
 from draftsmith.distill.prompt_filters import PromptFilter
 from draftsmith.distill.prompt_sources import load_prompts, parse_column_map, source_settings
 from draftsmith.distill.self_prompts import TOPICS, SelfPromptSettings
-from draftsmith.distill.teacher_cache import unique_examples
+from draftsmith.distill.teacher_cache import Encoding, StoreFormat, unique_examples
 from draftsmith.options import check_engine_options, check_sampling, engine_options
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import check_writable
@@ -66,6 +70,7 @@ from draftsmith.specdec.loading import (
     resolve_device,
     resolve_dtype,
     resolve_model,
+    same_model,
     vocab_size,
 )
 from draftsmith.specdec.locks import folder_lock
@@ -79,6 +84,7 @@ from draftsmith.specdec.vllm_server import (
     hidden_states_plan,
     serve,
 )
+from draftsmith.train.profile import weights_digest
 
 EPILOG = f"""prompt sources (--prompts):
   self       the target writes user messages itself (--num-prompts of them; --topics to steer the mix)
@@ -171,8 +177,22 @@ def parser() -> argparse.ArgumentParser:
         "(teacher-cache-kK/ in the folder), so `distill data.dataset=FOLDER teacher.cache=true teacher.top_k=K` (or "
         "less) reads them instead of running the target. Computed after the answers by the same engine: "
         "draftsmith's copy of the target, or vLLM's prompt log-probs (a server at --engine-url must allow K: "
-        "its --max-logprobs); distill uses it when its teacher dtype is the one recorded. Rows added later are "
-        "cached when the step runs again with the option (default: none)",
+        "its --max-logprobs). distill reads it while the folder's manifest.json is the one it was computed for, "
+        "when it was computed in float32 or the run's teacher dtype; teacher-cache-kK/cache.json says how it was "
+        "made. Rows added later are cached when the step runs again with the option (default: none)",
+    )
+    p.add_argument(
+        "--teacher-encoding",
+        default="float16",
+        choices=("float16", "uint8"),
+        help="--teacher-cache: keep the log-probs as float16, or as uint8 steps of 1/16 nat (half the bytes; "
+        "teacher-cache-kK-uint8/); token ids are uint16 where the vocabulary fits (default: float16)",
+    )
+    p.add_argument(
+        "--cache-only",
+        action="store_true",
+        help="--teacher-cache on a complete dataset folder as it is: no answers are written and its build's "
+        "options need not be given; the target is the one that wrote it, run by draftsmith (--dtype, --device)",
     )
     p.add_argument(
         "--hidden-layers",
@@ -184,7 +204,13 @@ def parser() -> argparse.ArgumentParser:
         "--engine vllm computes them with vLLM's extract_hidden_states method, in a server it starts once the "
         "answers' server has stopped (not the one at --engine-url), layers 0 to n-1 (default: none)",
     )
-    p.add_argument("--max-length", type=int, default=256, help="--hidden-layers: rows cut as distill cuts them")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="rows cut as distill cuts them (its data.max_length): for --teacher-cache (a run with a larger "
+        f"max_length computes its own; default: whole rows) and --hidden-layers (default: {STORE_LENGTH})",
+    )
     p.add_argument("--store-dtype", default="bfloat16", help="--hidden-layers: storage dtype (default: bfloat16)")
     p.add_argument(
         "--tensor-parallel-size", type=int, default=None, help="--engine vllm: GPUs per model copy (default: 1)"
@@ -263,12 +289,30 @@ def serve_options(args: argparse.Namespace, device, dtype) -> ServeOptions:
     )
 
 
-def cache_writer(args: argparse.Namespace, engine: GenerationEngine, tokenizer) -> Callable[[list[dict], Path], None]:
+def cache_format(args: argparse.Namespace, target: str) -> StoreFormat:
+    """The top-k cache --teacher-cache K asks for: uint16 ids where the target's vocabulary fits them."""
+    vocab = vocab_size(target) or target_size(target, "vocab_size")
+    return StoreFormat(args.teacher_cache, encoding=Encoding.for_vocab(vocab, args.teacher_encoding))
+
+
+def cache_writer(args: argparse.Namespace, engine: GenerationEngine) -> Callable[[list[dict], Path], None]:
     """How --teacher-cache computes a shard's cache: with the engine that wrote the answers."""
     if args.engine == "vllm":
-        return engine_cache_writer(engine.server, args.teacher_cache, args.batch_size)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return target_cache_writer(engine.model, args.teacher_cache, pad_id=pad)
+        return engine_cache_writer(engine.server, cache_format(args, args.target), args.batch_size)
+    return target_cache_writer(engine.model, cache_format(args, args.target))
+
+
+def cache_description(args: argparse.Namespace, dtype: str, computed_by: str, model=None) -> dict:
+    """What a dataset's cache.json says of how its top-k was computed (the target's weights digest where
+    draftsmith holds the target) and the command that computes it again."""
+    return {
+        "target": args.target,
+        "target_weights_sha256": None if model is None else weights_digest(model),
+        "dtype": dtype,
+        "computed_by": computed_by,
+        "draftsmith_version": draftsmith_version(),
+        "command": shlex.join(["draftsmith", "data", *args.argv]),
+    }
 
 
 def engine_dtype(args: argparse.Namespace, dtype) -> str:
@@ -293,6 +337,8 @@ def check_options(args: argparse.Namespace) -> None:
             f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's context "
             f"({context} tokens); give fewer"
         )
+    if args.max_length is not None and args.max_length < 1:
+        raise DraftsmithError(f"--max-length must be >= 1 (tokens a stored row is cut to), got {args.max_length}")
     check_sampling(args.temperature, args.top_p)
     if args.samples_per_prompt < 1:
         raise DraftsmithError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
@@ -330,8 +376,6 @@ def check_options(args: argparse.Namespace) -> None:
                 "--hidden-layers with --engine vllm needs a server draftsmith starts (with the extract_hidden_states "
                 "method and its connector), not the one at --engine-url; leave out --engine-url"
             )
-        if args.max_length < 1:
-            raise DraftsmithError(f"--max-length must be >= 1 (tokens a stored row is cut to), got {args.max_length}")
         count = config_field(args.target, "num_hidden_layers")
         if count is not None:  # else checked once the target loads, still before any answer
             check_layer_range(args, count)
@@ -379,15 +423,16 @@ def check_store_room(args: argparse.Namespace, prompts: list | SelfPromptRequest
     rows = count * args.samples_per_prompt
     hidden_size = target_size(args.target, "hidden_size")
     item = torch.empty((), dtype=teacher_cache.STORAGE_DTYPES[args.store_dtype]).element_size()
-    states = rows * args.max_length * len(hidden_layers(args)) * hidden_size * item
-    needed = states + 6 * args.teacher_cache * rows * min(args.max_new_tokens, args.max_length)
+    length = store_length(args)
+    states = rows * length * len(hidden_layers(args)) * hidden_size * item
+    needed = states + 6 * args.teacher_cache * rows * min(args.max_new_tokens, length)
     stores = output / "feature-store"
     held = sum(path.stat().st_size for path in stores.rglob("*") if path.is_file()) if stores.is_dir() else 0
     free = teacher_cache.disk_free(output)
     if needed > free + held:
         raise DraftsmithError(
             f"--hidden-layers: the feature store of {rows} rows may take up to {teacher_cache.size_text(needed)} "
-            f"({args.max_length} positions a row) but the disk holding {output} has {teacher_cache.size_text(free)} "
+            f"({length} positions a row) but the disk holding {output} has {teacher_cache.size_text(free)} "
             "free; free disk space, or store less (--max-length, fewer --hidden-layers or prompts, --store-dtype)"
         )
 
@@ -405,6 +450,14 @@ def disk_full_refused(output: Path) -> Iterator[None]:
             f"the disk holding {output} is full; free space and run the same command again: it keeps what is "
             "written and continues"
         ) from err
+
+
+STORE_LENGTH = 256  # tokens a feature store's row is cut to without --max-length: distill's default
+
+
+def store_length(args: argparse.Namespace) -> int:
+    """--max-length for the feature store (--hidden-layers)."""
+    return args.max_length or STORE_LENGTH
 
 
 def hidden_layers(args: argparse.Namespace) -> list[int]:
@@ -440,10 +493,10 @@ def check_vllm_layers(args: argparse.Namespace, count: int) -> None:
 def store_plan(args: argparse.Namespace, dtype: str, output: Path) -> tuple[list[dict], Path, dict]:
     """The folder's rows cut at --max-length, where their feature store goes
     (``teacher_cache.dataset_store``), and what its ``meta.json`` says of how it was made."""
-    examples = training_examples(output, args.max_length)
+    examples = training_examples(output, store_length(args))
     if not examples:
         raise DraftsmithError(
-            f"--max-length {args.max_length} cuts every row of {output} before its answer: nothing to store; "
+            f"--max-length {store_length(args)} cuts every row of {output} before its answer: nothing to store; "
             "give a larger --max-length"
         )
     layers = hidden_layers(args)
@@ -513,7 +566,10 @@ def vllm_feature_store(args: argparse.Namespace, options: ServeOptions, dtype: t
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[2:] if argv is None else argv)  # the command, recorded beside a teacher cache
     datasets.disable_progress_bars()  # one bar, in tokens/s, is shown instead of one per saved shard
+    if args.cache_only:
+        return cache_only(args)
     check_options(args)
     device = resolve_device(args.device)
     state = PartialState(cpu=device.type == "cpu")  # several CPU processes talk over gloo
@@ -549,6 +605,64 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cache_only(args: argparse.Namespace) -> int:
+    """--cache-only: the teacher cache of a complete dataset folder, computed by draftsmith's copy of the
+    target that wrote it (the folder's rows are not touched; its build options need not be given)."""
+    output = Path(args.output)
+    manifest = check_cache_only(args, output)
+    args.target = manifest["settings"]["target"]
+    device = resolve_device(args.device)
+    state = PartialState(cpu=device.type == "cpu")
+    group = ProcessGroup(state.process_index, state.num_processes, state.wait_for_everyone)
+    if state.num_processes > 1 and device.type == "cuda":
+        device = state.device
+    dtype = resolve_dtype(args.dtype, device)
+    with folder_lock(output, "draftsmith data"), disk_full_refused(output):
+        model = load_model(args.target, device, dtype)
+        description = cache_description(args, teacher_cache.dtype_name(dtype), "draftsmith", model)
+        fmt = cache_format(args, args.target)
+        record = build_dataset_cache(output, fmt, target_cache_writer(model, fmt), description, group, args.max_length)
+    if group.is_main:
+        say_cache(output, record)
+    return 0
+
+
+def check_cache_only(args: argparse.Namespace, output: Path) -> dict:
+    """--cache-only's options and folder: a complete dataset, --teacher-cache K, nothing that writes rows or a
+    feature store; returns the folder's manifest."""
+    manifest = read_manifest(output)
+    if manifest is None:
+        raise DraftsmithError(
+            f"--cache-only computes the teacher cache of a dataset folder; {output} has no manifest.json"
+        )
+    if not manifest.get("complete", False):
+        raise DraftsmithError(f"{output} is an incomplete build: finish it first (the same draftsmith data command)")
+    if args.teacher_cache is None or args.teacher_cache < 1:
+        raise DraftsmithError("--cache-only needs --teacher-cache K (K >= 1: tokens kept per position)")
+    if args.hidden_layers is not None or args.engine != "draftsmith":
+        raise DraftsmithError(
+            "--cache-only computes the top-k cache with draftsmith's copy of the target; leave out "
+            "--hidden-layers and --engine"
+        )
+    made_by = manifest["settings"]["target"]
+    if args.target != DEFAULT_TARGET and not same_model(args.target, made_by):
+        raise DraftsmithError(f"{output} holds answers of {made_by!r}; its cache is that target's (leave out --target)")
+    if args.max_length is not None and args.max_length < 1:
+        raise DraftsmithError(f"--max-length must be >= 1 (tokens a cached row is cut to), got {args.max_length}")
+    return manifest
+
+
+def say_cache(output: Path, record: dict) -> None:
+    """One line: what the folder's teacher cache holds and where."""
+    cut = "whole rows" if record["max_length"] is None else f"rows cut at {record['max_length']} tokens"
+    encoding = Encoding(**record["encoding"])
+    folder = cache_folder(output, StoreFormat(record["top_k"], encoding=encoding))
+    print(
+        f"teacher cache: top {record['top_k']} at {record['tokens']} answer positions, {record['dtype']}, "
+        f"{encoding.name}, {cut} ({folder})"
+    )
+
+
 def build(
     args: argparse.Namespace,
     group: ProcessGroup,
@@ -573,9 +687,11 @@ def build(
             progress=not args.no_progress,
         )
         if args.teacher_cache is not None:
-            description = {"target": args.target, "dtype": settings.dtype, "computed_by": engine.name}
-            writer = cache_writer(args, engine, tokenizer)
-            manifest = build_dataset_cache(output, args.teacher_cache, writer, description, group)
+            model = engine.model if args.engine == "draftsmith" else None
+            description = cache_description(args, settings.dtype, engine.name, model)
+            fmt = cache_format(args, args.target)
+            cached = build_dataset_cache(output, fmt, cache_writer(args, engine), description, group, args.max_length)
+            manifest = {**manifest, "teacher_cache": cached}
         if args.hidden_layers is not None and args.engine == "draftsmith":
             store = feature_store(args, engine.model, settings.dtype, output, group)
     if args.hidden_layers is not None and args.engine == "vllm":  # its own server, once the answers' has stopped
@@ -591,7 +707,6 @@ def report(args: argparse.Namespace, output: Path, manifest: dict, store: Path |
         f"({manifest['seconds']:.0f} s of building in all)\n{json.dumps(counts['rows_by_topic'])}"
     )
     if args.teacher_cache is not None:
-        cached = manifest["teacher_cache"][str(args.teacher_cache)]
-        print(f"teacher cache: top {args.teacher_cache} at {cached['tokens']} answer positions, {cached['dtype']}")
+        say_cache(output, manifest["teacher_cache"])
     if args.hidden_layers is not None:
         print(f"feature store: {store} (layers {args.hidden_layers}, {args.store_dtype})")

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.distill import data as ddata
 from draftsmith.distill import dataset_builder, dataset_cache, teacher_cache, vocab_cut
+from draftsmith.distill.dataset_builder import ProcessGroup
 from draftsmith.distill.losses import TopkTeacher
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import draftsmith_home, eos_token_ids
@@ -273,11 +274,13 @@ class StoreTeacher(Teacher):
         examples: list[dict],
         entries: dataset_cache.Entries,
         reader: teacher_cache.Store | None = None,
+        folder: Path | None = None,
     ):
         super().__init__(target, settings)
         if settings.layers:  # a store read without hidden states has no reader
             reader.check_layers(settings.layers)
-        self.reader, self.store, self.entries = reader, None if reader is None else reader.folder, entries
+        self.reader, self.entries = reader, entries
+        self.store = reader.folder if reader is not None else folder  # the store read (train_summary.json says it)
         self.digests = [teacher_cache.example_digest(e) for e in examples]
         for i, example in enumerate(examples):
             example["index"] = i  # the batch's rows are these entries
@@ -316,9 +319,13 @@ class FillingTeacher(Teacher):
         cfg: DistillConfig,
         pad: int,
         rank: int = 0,
+        entries: dataset_cache.Entries | None = None,
     ):
         super().__init__(target, settings)
         self.store, self.examples, self.cfg, self.pad, self.rank = folder, examples, cfg, pad, rank
+        # the examples' top-k from the dataset's cache, in their order: the forwards then compute the hidden
+        # states alone (no head), and the store keeps these entries beside them
+        self.entries = entries
         self.seen: dict[bytes, tuple] = {}  # digest -> (ids (N, k), log-probs (N, k), {layer: (L, H)})
         # this process's shards of the first epoch so far (a resumed run goes on numbering after them)
         self.written = len(list(folder.glob(f"shard-r{rank:03d}-[0-9]*.safetensors")))
@@ -333,7 +340,10 @@ class FillingTeacher(Teacher):
     def __call__(self, batch: dict, rows: torch.Tensor) -> TeacherRows:
         if self.reading is not None:
             return self.reading(batch, rows)
-        teacher, (ids, logps) = self.live(batch, rows, argmax=False, top_k=self.cfg.teacher.top_k)  # (M, k)
+        if self.entries is not None:
+            teacher, (ids, logps) = self.hidden_states(batch, rows)
+        else:
+            teacher, (ids, logps) = self.live(batch, rows, argmax=False, top_k=self.cfg.teacher.top_k)  # (M, k)
         if self.settings.argmax:  # the top-k's first entry, as the store will give it: no second full head
             teacher.argmax = teacher_cache.rows_teacher_argmax([(ids, logps)], self.settings.device)
         counts = batch["loss_mask"].sum(1).tolist()
@@ -346,6 +356,16 @@ class FillingTeacher(Teacher):
         if len(self.seen) >= FILL_SHARD_ROWS:
             self.flush()
         return teacher
+
+    def hidden_states(self, batch: dict, rows: torch.Tensor) -> tuple[TeacherRows, tuple[torch.Tensor, torch.Tensor]]:
+        """The target's decoder over ``batch`` for the hidden states of the settings' layers, its head not
+        run: the log-probs at ``rows`` are the dataset cache's entries, also returned as (ids, log-probs) (M, k)."""
+        self.forwards += 1
+        s, given = self.settings, [self.entries[i] for i in batch["index"].tolist()]
+        layers = self.forward(batch, rows, s.layers, lambda target, out: out.layers)
+        vocab = self.target.config.vocab_size
+        log_probs = teacher_cache.rows_teacher_log_probs(given, rows.device, vocab, s.head_ids, s.temperature, s.sparse)
+        return TeacherRows(log_probs, layers), (torch.cat([e[0] for e in given]), torch.cat([e[1] for e in given]))
 
     def flush(self) -> None:
         """Write the rows seen since the last shard into this process's next shard, and forget them."""
@@ -409,71 +429,84 @@ def store_made_by(cfg: DistillConfig, target: PreTrainedModel, examples: list[di
     return made_by
 
 
+def teacher_settings(
+    cfg: DistillConfig,
+    device: torch.device,
+    head_ids: torch.Tensor | None = None,
+    layers: tuple[int, ...] = (),
+    argmax: bool = False,
+    sparse: bool = False,
+) -> TeacherSettings:
+    """What a run's teacher gives at the loss rows, from what its kind reads: its log-probs over
+    ``head_ids`` (N,) (the draft's head cut) or the full vocabulary, normalized over the full vocabulary
+    unless the loss is forward KL (which renormalizes over the kept tokens, so a live target's full
+    normalizer is never computed); the hidden states entering ``layers``; ``argmax``: the target's most
+    probable token at the rows; ``sparse``: with forward KL, a store's log-probs stay top-k entries
+    (``losses.TopkTeacher``) for a kind that does not read them."""
+    forward_kl = cfg.loss.name == "forward_kl"
+    return TeacherSettings(
+        head_ids, cfg.loss.temperature, not forward_kl, layers, device, argmax, sparse and forward_kl
+    )
+
+
 def teacher(
     cfg: DistillConfig,
     target,
     examples: tuple[list[dict], list[dict]],
     pad: int,
     accelerator: Accelerator,
-    head_ids: torch.Tensor | None = None,
-    layers: tuple[int, ...] = (),
-    argmax: bool = False,
-    sparse: bool = False,
+    settings: TeacherSettings,
 ) -> Teacher:
-    """The teacher at a batch's loss rows: the target's forward, or the feature store.
+    """The teacher at a batch's loss rows (``settings``, made by ``teacher_settings``): the target's
+    forward, or a store.
 
-    examples: (train, held-out). The store covers both (the dataset's content), so a run with
-    another seed or held-out split of the same data reads the same store; one filled by the first
-    epoch (``teacher.cache_fill: first_epoch``) covers the training examples. The teacher gives the
-    target's log-probs at the loss temperature at the rows, over its full vocabulary (M, V) or, with
-    ``head_ids`` (N,) (the draft's head cut), on those tokens (M, N), normalized over the full
-    vocabulary; for forward KL with a cut head the live target's are the kept logits at temperature
-    (forward KL renormalizes over the kept tokens, so their full normalizer is never computed).
-    layers: target layers whose entering hidden states (B, T, H) the draft's kind reads, from the same
-    forward or from the store. argmax: also the target's most probable token at the rows (from the
-    store's top-k entries when read from one). sparse: with forward KL, a store's log-probs stay top-k
-    entries (``losses.TopkTeacher``) for a kind that does not read them. Under N processes each builds
-    its share of the store's shards."""
+    examples: (train, held-out). A top-k cache the dataset carries (``draftsmith data --teacher-cache``;
+    the shipped dataset's ships with it) serves a kind that reads no hidden states with no target
+    forward at all; for one that does, the target's forwards give the hidden states alone. Else the
+    feature store covers both (the dataset's content), so a run with another seed or held-out split of
+    the same data reads the same store; one filled by the first epoch (``teacher.cache_fill:
+    first_epoch``) covers the training examples. Under N processes each builds its share of the
+    store's shards."""
     train_examples, heldout = examples
-    forward_kl = cfg.loss.name == "forward_kl"
-    settings = TeacherSettings(
-        head_ids, cfg.loss.temperature, not forward_kl, layers, accelerator.device, argmax, sparse and forward_kl
-    )
     if not cfg.teacher.cache:
         return Teacher(target, settings)
-    entries = None if layers else dataset_teacher_entries(cfg, target, train_examples, accelerator)
-    if entries is not None:
-        return StoreTeacher(target, settings, train_examples, entries)
-    dtype = teacher_cache.STORAGE_DTYPES[cfg.teacher.cache_dtype]
+    layers = settings.layers
+    carried = dataset_teacher_entries(cfg, target, train_examples, accelerator)
+    entries, cache = carried if carried is not None else (None, None)
+    if entries is not None and not layers:
+        return StoreTeacher(target, settings, train_examples, entries, folder=cache)
     covered = train_examples if cfg.teacher.cache_fill == "first_epoch" else train_examples + heldout
+    fmt = teacher_cache.StoreFormat(
+        cfg.teacher.top_k,
+        layers,
+        teacher_cache.STORAGE_DTYPES[cfg.teacher.cache_dtype],
+        shard_rows=min(256, -(-len(covered) // accelerator.num_processes)),  # a shard or more per process
+    )
+    folder = store_folder(cfg, target, covered, fmt)
+    if cfg.teacher.cache_fill == "first_epoch" and not (folder / "meta.json").is_file():
+        rank = accelerator.process_index
+        return FillingTeacher(target, settings, folder, train_examples, cfg, pad, rank, entries)
+    group = ProcessGroup(accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
     name = target_name(cfg)
-    folder = teacher_cache.folder_for(name, target.dtype, covered, cfg.teacher.top_k, layers, dtype)
-    folder = teacher_cache.find_store(folder, name, target.dtype, covered, cfg.teacher.top_k, layers, dtype)
+    teacher_cache.build(target, covered, folder, fmt, group, cfg.optim.batch_size, accelerator.is_main_process, name)
+    return from_store(target, settings, folder, train_examples)
+
+
+def store_folder(cfg: DistillConfig, target, covered: list[dict], fmt: teacher_cache.StoreFormat) -> Path:
+    """Where the feature store of ``covered`` lives: a complete one found under DRAFTSMITH_HOME
+    (``teacher_cache.find_store``: a store with more layers serves fewer), else one the dataset folder
+    carries (``draftsmith data --hidden-layers``), else the folder a new one is written to."""
+    name, k, layers, dtype = target_name(cfg), fmt.top_k, fmt.layers, fmt.hidden_dtype
+    folder = teacher_cache.folder_for(name, target.dtype, covered, k, layers, dtype)
+    folder = teacher_cache.find_store(folder, name, target.dtype, covered, k, layers, dtype)
     built = dataset_builder.built_folder(cfg.data.dataset)
-    if built is not None and not (folder / "meta.json").is_file():  # one the dataset carries (draftsmith data)
+    if built is not None and not (folder / "meta.json").is_file():
         carried = built / "feature-store" / "-"
         carried = teacher_cache.find_store(
-            carried, teacher_cache.DATASET_TARGET, target.dtype, covered, cfg.teacher.top_k, layers, dtype
+            carried, teacher_cache.DATASET_TARGET, target.dtype, covered, k, layers, dtype
         )
         folder = carried if (carried / "meta.json").is_file() else folder
-    if cfg.teacher.cache_fill == "first_epoch" and not (folder / "meta.json").is_file():
-        return FillingTeacher(target, settings, folder, train_examples, cfg, pad, accelerator.process_index)
-    teacher_cache.build(
-        target,
-        covered,
-        folder,
-        cfg.teacher.top_k,
-        cfg.optim.batch_size,
-        shard_size=min(256, -(-len(covered) // accelerator.num_processes)),  # a shard or more per process
-        pad_id=pad,
-        progress=accelerator.is_main_process,
-        layers=layers,
-        hidden_dtype=dtype,
-        part=(accelerator.process_index, accelerator.num_processes),
-        barrier=accelerator.wait_for_everyone,
-        target_key=name,
-    )
-    return from_store(target, settings, folder, train_examples)
+    return folder
 
 
 def heldout_teacher(
@@ -490,8 +523,11 @@ def heldout_teacher(
         if any(teacher_cache.example_digest(e) not in training.reader.entries for e in heldout):
             return None
         return StoreTeacher(target, settings, heldout, training.reader.lookup(heldout), training.reader)
-    entries = dataset_teacher_entries(cfg, target, heldout, None)
-    return None if entries is None else StoreTeacher(target, settings, heldout, entries)
+    carried = dataset_teacher_entries(cfg, target, heldout, None)
+    if carried is None:
+        return None
+    entries, cache = carried
+    return StoreTeacher(target, settings, heldout, entries, folder=cache)
 
 
 def from_store(target, settings: TeacherSettings, folder: Path, examples: list[dict]) -> StoreTeacher:
@@ -502,17 +538,18 @@ def from_store(target, settings: TeacherSettings, folder: Path, examples: list[d
 
 def dataset_teacher_entries(
     cfg: DistillConfig, target, examples: list[dict], accelerator: Accelerator | None
-) -> dataset_cache.Entries | None:
-    """The training examples' teacher entries from the top-k cache a ``draftsmith data`` folder carries
-    (``--teacher-cache K``, K >= teacher.top_k, the run's teacher dtype), or None: then the run builds its own.
+) -> tuple[dataset_cache.Entries, Path] | None:
+    """``examples``' teacher entries from a top-k cache a ``draftsmith data`` folder carries (K >=
+    teacher.top_k, computed in float32 or the run's teacher dtype, for the dataset as it is now:
+    ``dataset_cache.dataset_entries``) and that cache's folder, or None: then the run's target teaches.
     ``accelerator``: the main process says where they come from (None: nothing is said)."""
     folder = dataset_builder.built_folder(cfg.data.dataset)
     if folder is None:
         return None
-    dtype = str(target.dtype).removeprefix("torch.")
-    entries = dataset_cache.dataset_entries(folder, examples, dtype, cfg.teacher.top_k, cfg.data.max_length)
-    if entries is not None and accelerator is not None:
+    dtype = teacher_cache.dtype_name(target.dtype)
+    carried = dataset_cache.dataset_entries(folder, examples, dtype, cfg.teacher.top_k, cfg.data.max_length)
+    if carried is not None and accelerator is not None:
         accelerator.print(
-            f"teacher: the top-{cfg.teacher.top_k} cache {folder} carries (the target is not run over it)"
+            f"teacher: top-{cfg.teacher.top_k} of {carried[1]} (the dataset's cache; no target forward for them)"
         )
-    return entries
+    return carried

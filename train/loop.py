@@ -55,6 +55,7 @@ from draftsmith.train.examples import (
     heldout_teacher,
     loaders,
     teacher,
+    teacher_settings,
 )
 from draftsmith.train.models import build_models, in_dtype_of, mixed_precision
 from draftsmith.train.sharding import TeacherForward, shard_teacher
@@ -191,7 +192,8 @@ def setup(cfg: DistillConfig) -> Run:
     layers, argmax = kind.teacher_layers(draft), kind.teacher_argmax(draft)
     sparse = not kind.teacher_log_probs(draft)
     examples = (train_examples, heldout_examples)
-    teacher_logits = teacher(cfg, target, examples, pad, accelerator, head_ids, layers, argmax, sparse)
+    settings = teacher_settings(cfg, accelerator.device, head_ids, layers, argmax, sparse)
+    teacher_logits = teacher(cfg, target, examples, pad, accelerator, settings)
     # held-out metrics run the target where it is loaded (exact p); a run holding only the draft's parts of
     # it reads them from the store when the store holds the held-out rows, else the target's body loads
     held_teacher = None

@@ -4,19 +4,30 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from draftsmith.distill import teacher_cache
 from draftsmith.distill.dataset_builder import (
     BuildSettings,
     build_dataset,
     load_built,
+    read_shard,
     shard_name,
     shard_paths,
     training_examples,
 )
-from draftsmith.distill.dataset_cache import build_dataset_cache, cache_folder, dataset_entries, target_cache_writer
+from draftsmith.distill.dataset_cache import (
+    build_dataset_cache,
+    cache_folder,
+    dataset_entries,
+    derive_cache,
+    manifest_digest,
+    row_examples,
+    target_cache_writer,
+)
 from draftsmith.distill.engines import BundledEngine, Writer
 from draftsmith.distill.prompt_sources import PromptRecord
+from draftsmith.distill.teacher_cache import LOGPROB_STEP, Encoding, StoreFormat
 from draftsmith.specdec.errors import DraftsmithError
 from tests.helpers import tiny_llama, tiny_tokenizer
 
@@ -66,57 +77,127 @@ def own_top_k(model, ids: list[int], loss_mask: list[int], k: int) -> tuple[torc
 def test_every_row_is_cached_whole_and_a_run_reads_it_cut_to_its_examples(tmp_path, model, capsys):
     folder = tmp_path / "d"
     build(folder, model, 7)  # shards of 3 + 3 + 1 rows
-    manifest = build_dataset_cache(folder, 8, target_cache_writer(model, 8), MADE_BY)
+    manifest = (folder / "manifest.json").read_bytes()
+    fmt = StoreFormat(8)
+    record = build_dataset_cache(folder, fmt, target_cache_writer(model, fmt), MADE_BY)
     answer_tokens = sum(len(a) for a in load_built(folder)["answer_ids"])
-    assert manifest["teacher_cache"] == {"8": {**MADE_BY, "top_k": 8, "shards": 3, "tokens": answer_tokens}}
-    assert json.loads((folder / "manifest.json").read_text())["teacher_cache"] == manifest["teacher_cache"]
-    names = [f"train-{manifest['id']}-r0-0000{i}" for i in range(3)]
-    assert sorted(p.name for p in cache_folder(folder, 8).iterdir()) == names
+    encoding = {"indices": "int32", "logprobs": "float16"}
+    made = {"top_k": 8, "encoding": encoding, "max_length": None, "shards": 3, "examples": 7, "tokens": answer_tokens}
+    assert record == {**MADE_BY, **made, "manifest_sha256": manifest_digest(folder)}
+    assert json.loads((cache_folder(folder, fmt) / "cache.json").read_text()) == record
+    assert (folder / "manifest.json").read_bytes() == manifest  # the dataset is left as it was
+    names = [f"train-{json.loads(manifest)['id']}-r0-0000{i}" for i in range(3)]
+    assert sorted(p.name for p in cache_folder(folder, fmt).iterdir()) == ["cache.json", *names]
 
     # A run that cuts sequences at 10 tokens and keeps 5 tokens per position reads exactly those.
     examples = training_examples(folder, max_length=10)
     assert any(len(e["input_ids"]) == 10 for e in examples)  # rows cut at max_length
-    entries = dataset_entries(folder, examples, "float32", top_k=5, max_length=10)
-    assert len(entries) == len(examples)
+    entries, served_by = dataset_entries(folder, examples, "float32", top_k=5, max_length=10)
+    assert served_by == cache_folder(folder, fmt) and len(entries) == len(examples)
     for example, (ids, logps) in zip(examples, entries, strict=True):
         want_ids, want_logps = own_top_k(model, example["input_ids"], example["loss_mask"], 5)
         assert ids.shape == (sum(example["loss_mask"]), 5)
         assert torch.equal(ids, want_ids)
         assert torch.allclose(logps.double(), want_logps, atol=2e-3)  # stored as float16
 
-    # Another dtype, or more tokens per position than were kept: the run builds its own cache, and says why.
+    # Computed in float32, it serves a bfloat16 teacher too (the dtype matters for a forward only); more
+    # tokens per position than it keeps: the run's target teaches, and the run says why in one line.
+    assert dataset_entries(folder, examples, "bfloat16", top_k=5, max_length=10)[1] == served_by
     capsys.readouterr()
-    assert dataset_entries(folder, examples, "bfloat16", top_k=5, max_length=10) is None
-    assert f"{folder} carries top-8 in float32; this run asks top-5 in bfloat16" in capsys.readouterr().err
     assert dataset_entries(folder, examples, "float32", top_k=9, max_length=10) is None
-    assert "this run asks top-9 in float32" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"teacher cache: {folder} carries teacher-cache-k8: top-8, the run keeps 9; so the run's target teaches\n"
+    )
 
 
-def test_rows_added_later_and_a_shard_cache_cut_short_are_cached_when_the_step_runs_again(tmp_path, model, capsys):
+def test_a_cache_serves_only_the_dataset_it_was_computed_for_and_rows_added_later_are_cached_again(
+    tmp_path, model, capsys
+):
     folder = tmp_path / "d"
     build(folder, model, 4)
-    build_dataset_cache(folder, 6, target_cache_writer(model, 6), MADE_BY)
+    fmt = StoreFormat(6)
+    first_record = build_dataset_cache(folder, fmt, target_cache_writer(model, fmt), MADE_BY)
     first, second = (shard_name(p) for p in shard_paths(folder)[:2])
-    kept = cache_folder(folder, 6) / first / "shard-00000.safetensors"
+    kept = cache_folder(folder, fmt) / first / "shard-00000.safetensors"
     written = kept.stat().st_mtime_ns
-    (cache_folder(folder, 6) / second / "meta.json").unlink()  # as a build killed before its end leaves it
-    build(folder, model, 8)  # 4 more rows: shards 2 and 3
+    (cache_folder(folder, fmt) / second / "meta.json").unlink()  # as a build killed before its end leaves it
+    examples = training_examples(folder, max_length=256)
+    in_first = [e for e in row_examples(read_shard(shard_paths(folder)[0]), 256) if e is not None]
+    assert len(dataset_entries(folder, in_first, "float32", top_k=6, max_length=256)[0]) == len(in_first) == 3
+    capsys.readouterr()
+    assert dataset_entries(folder, examples, "float32", top_k=6, max_length=256) is None
+    assert capsys.readouterr().err == (
+        f"teacher cache: {cache_folder(folder, fmt)} has no entries for 1 of the run's examples (shards without "
+        f"entries: {second}; `draftsmith data --teacher-cache K` adds them), so the run's target teaches\n"
+    )
+    build(folder, model, 8)  # 4 more rows: shards 2 and 3, and a new manifest
     examples = training_examples(folder, max_length=256)
     capsys.readouterr()
-    assert dataset_entries(folder, examples, "float32", top_k=6, max_length=256) is None  # not all covered
-    assert "has no entries for the shard" in capsys.readouterr().err
+    assert dataset_entries(folder, examples, "float32", top_k=6, max_length=256) is None
+    now = manifest_digest(folder)
+    assert capsys.readouterr().err == (
+        f"teacher cache: {folder} carries teacher-cache-k6: computed for another version of the dataset (manifest "
+        f"sha256 {first_record['manifest_sha256'][:12]}, now {now[:12]}); `draftsmith data --teacher-cache K` "
+        "computes it again; so the run's target teaches\n"
+    )
 
-    manifest = build_dataset_cache(folder, 6, target_cache_writer(model, 6), MADE_BY)
-    assert manifest["teacher_cache"]["6"]["shards"] == 4
+    record = build_dataset_cache(folder, fmt, target_cache_writer(model, fmt), MADE_BY)
+    assert (record["shards"], record["examples"], record["manifest_sha256"]) == (4, 8, now)
     assert kept.stat().st_mtime_ns == written  # a finished shard cache is not built again
-    entries = dataset_entries(folder, examples, "float32", top_k=6, max_length=256)
+    entries, _ = dataset_entries(folder, examples, "float32", top_k=6, max_length=256)
     for example, (ids, _) in zip(examples, entries, strict=True):
         assert torch.equal(ids, own_top_k(model, example["input_ids"], example["loss_mask"], 6)[0])
 
 
+def test_a_compact_cache_cut_at_a_length_serves_runs_up_to_it_within_its_rounding(tmp_path, model, capsys):
+    folder = tmp_path / "d"
+    build(folder, model, 6)
+    compact = StoreFormat(4, encoding=Encoding("uint16", "uint8"))
+    record = build_dataset_cache(folder, compact, target_cache_writer(model, compact), MADE_BY, max_length=12)
+    assert cache_folder(folder, compact).name == "teacher-cache-k4-uint8" and record["max_length"] == 12
+    shard = next(cache_folder(folder, compact).glob("*/shard-00000.safetensors"))
+    with safe_open(shard, framework="pt") as f:
+        assert (f.get_tensor("indices").dtype, f.get_tensor("logprobs").dtype) == (torch.uint16, torch.uint8)
+    examples = training_examples(folder, max_length=9)
+    entries, _ = dataset_entries(folder, examples, "float32", top_k=3, max_length=9)
+    for example, (ids, logps) in zip(examples, entries, strict=True):
+        want_ids, want_logps = own_top_k(model, example["input_ids"], example["loss_mask"], 3)
+        assert torch.equal(ids, want_ids)
+        assert (logps.double() - want_logps).abs().max() <= LOGPROB_STEP / 2 + 1e-6  # uint8 steps of 1/16 nat
+        assert not torch.allclose(logps.double(), want_logps, atol=1e-3)  # really rounded
+    capsys.readouterr()
+    assert dataset_entries(folder, training_examples(folder, 13), "float32", top_k=3, max_length=13) is None
+    assert "teacher-cache-k4-uint8: rows cut at 12 tokens, the run reads 13" in capsys.readouterr().err
+    with pytest.raises(DraftsmithError, match="was made with max_length 12 \\(now None\\)"):
+        build_dataset_cache(folder, compact, target_cache_writer(model, compact), MADE_BY)
+
+
+def test_a_derived_cache_keeps_the_first_columns_of_a_larger_one(tmp_path, model):
+    folder = tmp_path / "d"
+    build(folder, model, 5)
+    wide = StoreFormat(8)
+    build_dataset_cache(folder, wide, target_cache_writer(model, wide), MADE_BY)
+    narrow = StoreFormat(3, encoding=Encoding("uint16", "uint8"))
+    out = derive_cache(folder, cache_folder(folder, wide), narrow, "draftsmith data --teacher-cache 3")
+    record = json.loads((out / "cache.json").read_text())
+    assert (record["top_k"], record["encoding"]["logprobs"], record["derived_from"]) == (3, "uint8", "teacher-cache-k8")
+    assert record["command"] == "draftsmith data --teacher-cache 3"
+    examples = training_examples(folder, max_length=256)
+    (derived, _), (computed, _) = (
+        dataset_entries(folder, examples, "float32", top_k=k, max_length=256) for k in (3, 8)
+    )  # the smallest cache that serves: top-3 for a run keeping 3
+    for (ids, logps), (all_ids, all_logps) in zip(derived, computed, strict=True):
+        assert torch.equal(ids, all_ids[:, :3])
+        assert (logps - all_logps[:, :3]).abs().max() <= LOGPROB_STEP / 2 + 2e-3
+    with pytest.raises(DraftsmithError, match="keeps top-8: it cannot give top-9"):
+        derive_cache(folder, cache_folder(folder, wide), StoreFormat(9), "")
+
+
 def test_more_tokens_per_position_than_the_vocabulary_is_refused(model):
     with pytest.raises(DraftsmithError, match="--teacher-cache 33 exceeds the target's vocabulary"):
-        target_cache_writer(model, 33)
+        target_cache_writer(model, StoreFormat(33))
 
 
 def test_a_run_cache_of_the_same_examples_made_another_way_is_named_when_not_reused(tmp_path, model, capsys):
@@ -124,10 +205,10 @@ def test_a_run_cache_of_the_same_examples_made_another_way_is_named_when_not_reu
         {"input_ids": [0, 5, 6, 7, 1], "loss_mask": [0, 0, 1, 1, 1]},
         {"input_ids": [0, 9, 1], "loss_mask": [0, 1, 1]},
     ]
-    teacher_cache.build(model, examples, tmp_path / "k3", top_k=3, progress=True)
+    teacher_cache.build(model, examples, tmp_path / "k3", StoreFormat(3), progress=True)
     capsys.readouterr()
-    teacher_cache.build(model, examples[::-1], tmp_path / "k4", top_k=4, progress=True)  # same examples, in any order
+    teacher_cache.build(model, examples[::-1], tmp_path / "k4", StoreFormat(4), progress=True)  # in any order
     err = capsys.readouterr().err
     assert f"teacher cache: {tmp_path / 'k3'} holds these examples but was made with top_k 3 (this run: 4)" in err
-    teacher_cache.build(model, examples[:1], tmp_path / "one", top_k=3, progress=True)  # other examples: no note
+    teacher_cache.build(model, examples[:1], tmp_path / "one", StoreFormat(3), progress=True)  # others: no note
     assert "holds these examples" not in capsys.readouterr().err

@@ -8,6 +8,7 @@ cross-entropy mixed in; and the held-out alpha and the teacher cache the same va
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from draftsmith.distill.losses import (
     TopkTeacher,
     acceptance_probability,
     cross_entropy,
+    densify_topk,
     row_token_losses,
     subset_token_losses,
     token_losses,
@@ -87,9 +89,11 @@ def old_teacher(cfg, target, batch, ids, entries) -> torch.Tensor:
         with torch.no_grad():
             logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return logits if ids is None else vocab_cut.teacher_log_probs(logits, ids, temperature)
-    if ids is None:
-        return teacher_cache.dense_teacher_logprobs(entries, batch["loss_mask"], vocab)
-    return teacher_cache.subset_teacher_logprobs(entries, batch["loss_mask"], ids, vocab, temperature)
+    mask = batch["loss_mask"]
+    dense = torch.full((*mask.shape, vocab), -math.log(vocab))  # (B, T, V): uniform off the loss rows
+    for row, (top_ids, top_logps) in enumerate(entries):
+        dense[row, mask[row]] = densify_topk(top_ids, top_logps, vocab)
+    return dense if ids is None else torch.log_softmax(dense / temperature, -1)[..., ids]
 
 
 def gradients(draft) -> dict[str, torch.Tensor]:
@@ -113,7 +117,9 @@ def test_lean_step_loss_and_gradients_equal_the_old_formula(models, source, cut,
     ids = IDS if cut else None
     train = copy.deepcopy(EXAMPLES)
     sparse = source == "sparse_cache"
-    teacher = train_examples.teacher(cfg, target, (train, []), PAD, Accelerator(cpu=True), ids, sparse=sparse)
+    accelerator = Accelerator(cpu=True)
+    settings = train_examples.teacher_settings(cfg, accelerator.device, ids, sparse=sparse)
+    teacher = train_examples.teacher(cfg, target, (train, []), PAD, accelerator, settings)
     batch = collate(train, PAD)
     rows_given = teacher(batch, vocab_cut.loss_rows(batch["loss_mask"])).log_probs
     assert isinstance(rows_given, TopkTeacher) == (sparse and loss == "forward_kl")
@@ -199,7 +205,7 @@ def test_heldout_evaluations_run_the_frozen_target_once_per_batch(models):
 def test_teacher_cache_built_at_the_rows_holds_the_top_k_of_the_full_log_softmax(models, tmp_path):
     target, _ = models
     folder = teacher_cache.build(
-        target, EXAMPLES, tmp_path / "cache", top_k=5, batch_size=3, pad_id=PAD, progress=False
+        target, EXAMPLES, tmp_path / "cache", teacher_cache.StoreFormat(5), batch_size=3, progress=False
     )
     entries = teacher_cache.load(folder)
     for example, (ids, logps) in zip(EXAMPLES, entries, strict=True):

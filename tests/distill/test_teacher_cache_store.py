@@ -7,6 +7,8 @@ import torch
 
 from draftsmith.distill import teacher_cache, vocab_cut
 from draftsmith.distill.data import collate
+from draftsmith.distill.dataset_builder import ProcessGroup
+from draftsmith.distill.teacher_cache import StoreFormat
 from draftsmith.distill.tiny import tiny_target
 from draftsmith.specdec.errors import DraftsmithError
 
@@ -24,10 +26,8 @@ def target():
 
 
 def test_stored_states_are_the_targets_at_every_position_and_the_top_k_at_the_loss_rows(tmp_path, target):
-    folder = teacher_cache.build(
-        target, EXAMPLES, tmp_path / "store", top_k=4, batch_size=2, shard_size=2, progress=False,
-        layers=(1, 3), hidden_dtype=torch.float32,
-    )  # fmt: skip
+    fmt = StoreFormat(4, (1, 3), torch.float32, shard_rows=2)
+    folder = teacher_cache.build(target, EXAMPLES, tmp_path / "store", fmt, batch_size=2, progress=False)
     meta = json.loads((folder / "meta.json").read_text())
     assert (meta["layers"], meta["hidden_dtype"], meta["hidden_size"], meta["shards"]) == ([1, 3], "float32", 64, 2)
     store = teacher_cache.Store(folder)
@@ -49,7 +49,7 @@ def test_stored_states_are_the_targets_at_every_position_and_the_top_k_at_the_lo
 
 def test_a_stores_entries_are_read_from_its_shards_when_asked(tmp_path, target):
     # three examples over two shards: the reader holds where each lies and reads it when indexed
-    folder = teacher_cache.build(target, EXAMPLES, tmp_path / "store", top_k=4, shard_size=2, progress=False)
+    folder = teacher_cache.build(target, EXAMPLES, tmp_path / "store", StoreFormat(4, shard_rows=2), progress=False)
     store = teacher_cache.Store(folder)
     assert {name for name, _, _ in store.entries.where.values()} == {
         "shard-00000.safetensors",
@@ -83,7 +83,7 @@ def test_the_targets_argmax_at_the_loss_rows_is_read_from_the_top_k_in_any_colum
 
 
 def test_bfloat16_storage_is_the_default_and_within_its_rounding(tmp_path, target):
-    folder = teacher_cache.build(target, EXAMPLES, tmp_path / "bf16", top_k=2, progress=False, layers=(2,))
+    folder = teacher_cache.build(target, EXAMPLES, tmp_path / "bf16", StoreFormat(2, (2,)), progress=False)
     assert json.loads((folder / "meta.json").read_text())["hidden_dtype"] == "bfloat16"
     batch = collate(EXAMPLES[:1], pad_id=0)
     live = vocab_cut.target_rows(target, batch, vocab_cut.loss_rows(batch["loss_mask"]), (2,)).layers[2]
@@ -94,20 +94,20 @@ def test_bfloat16_storage_is_the_default_and_within_its_rounding(tmp_path, targe
     assert not torch.equal(stored[2], live)  # rounded: the storage dtype is really bfloat16
 
 
-def test_the_size_is_printed_and_a_build_that_does_not_fit_is_refused_before_any_work(tmp_path, target, capsys):
+def test_the_size_is_printed_and_a_build_that_does_not_fit_is_refused_before_any_work(
+    tmp_path, target, capsys, monkeypatch
+):
     # 3 examples: 8 loss tokens at 6 k bytes each, 15 positions x 2 layers x 64 values x 2 bytes
     needed = teacher_cache.store_bytes(EXAMPLES, 4, (1, 3), 64, torch.bfloat16)
     assert needed == 8 * 6 * 4 + 15 * 2 * 64 * 2
     folder = tmp_path / "full"
+    monkeypatch.setattr(teacher_cache, "disk_free", lambda path: 1000)
     with pytest.raises(DraftsmithError, match=r"needs 4\.03 kB but .* has 1 kB free"):
-        teacher_cache.build(
-            target, EXAMPLES, folder, top_k=4, progress=False, layers=(1, 3), free_bytes=lambda path: 1000
-        )
+        teacher_cache.build(target, EXAMPLES, folder, StoreFormat(4, (1, 3)), progress=False)
     assert not folder.exists()  # refused before anything was written
     assert "teacher store: 4.03 kB to write" in capsys.readouterr().err
-    teacher_cache.build(
-        target, EXAMPLES, folder, top_k=4, progress=False, layers=(1, 3), free_bytes=lambda path: needed
-    )
+    monkeypatch.setattr(teacher_cache, "disk_free", lambda path: needed)
+    teacher_cache.build(target, EXAMPLES, folder, StoreFormat(4, (1, 3)), progress=False)
     assert (folder / "meta.json").is_file()
 
 
@@ -116,7 +116,7 @@ def test_a_store_with_more_layers_serves_a_kind_that_needs_fewer(tmp_path, targe
         return tmp_path / teacher_cache.cache_key("t", torch.float32, EXAMPLES, 4, 1.0, layers, torch.bfloat16)
 
     wide = teacher_cache.build(
-        target, EXAMPLES, folder((0, 2, 4)), top_k=4, progress=False, layers=(0, 2, 4), target_key="t"
+        target, EXAMPLES, folder((0, 2, 4)), StoreFormat(4, (0, 2, 4)), progress=False, target_key="t"
     )
     for fewer in [(2,), (0, 4), ()]:
         assert teacher_cache.find_store(folder(fewer), "t", torch.float32, EXAMPLES, 4, fewer, torch.bfloat16) == wide
@@ -133,16 +133,14 @@ def test_a_store_with_more_layers_serves_a_kind_that_needs_fewer(tmp_path, targe
 def test_processes_write_their_own_shards_of_one_store(tmp_path, target):
     folder, calls = tmp_path / "parts", []
     for rank in (1, 0):  # the second process first: the first writes meta.json once all are done
-        teacher_cache.build(
-            target, EXAMPLES, folder, top_k=4, shard_size=1, progress=False, layers=(1,),
-            part=(rank, 2), barrier=lambda rank=rank: calls.append(rank),
-        )  # fmt: skip
+        group = ProcessGroup(rank, 2, lambda rank=rank: calls.append(rank))
+        teacher_cache.build(target, EXAMPLES, folder, StoreFormat(4, (1,), shard_rows=1), group, progress=False)
         written = sorted(p.name for p in folder.glob("shard-*"))
         assert written == (
             ["shard-00001.safetensors"] if rank == 1 else [f"shard-0000{i}.safetensors" for i in range(3)]
         )
     assert (folder / "meta.json").is_file() and calls == [1, 1, 0, 0]
-    whole = teacher_cache.build(target, EXAMPLES, tmp_path / "one", top_k=4, shard_size=1, progress=False, layers=(1,))
+    whole = teacher_cache.build(target, EXAMPLES, tmp_path / "one", StoreFormat(4, (1,), shard_rows=1), progress=False)
     by_parts, by_one = teacher_cache.Store(folder), teacher_cache.Store(whole)
     digests = [teacher_cache.example_digest(e) for e in EXAMPLES]
     for ours, theirs in zip(by_parts.lookup(EXAMPLES), by_one.lookup(EXAMPLES), strict=True):

@@ -132,11 +132,11 @@ def test_the_engine_writes_the_teacher_cache_from_its_prompt_logprobs(server, tm
     extra = ["--engine", "vllm", "--engine-url", server.url, "--teacher-cache", "8"]
     assert main(builtin_args(out, *extra, prompts=3, max_new_tokens=16)) == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    record = manifest["teacher_cache"]["8"]
+    record = json.loads((out / "teacher-cache-k8" / "cache.json").read_text())
     assert (record["computed_by"], record["dtype"], record["target"]) == ("vllm", "float32", DEFAULT_TARGET)
     assert record["tokens"] == manifest["counts"]["answer_tokens"]
     examples = training_examples(out, max_length=1024)
-    entries = dataset_entries(out, examples, "float32", top_k=8, max_length=1024)
+    entries, _ = dataset_entries(out, examples, "float32", top_k=8, max_length=1024)
     model = load_model(DEFAULT_TARGET, torch.device("cpu"), torch.float32)
     for example, (ids, logps) in zip(examples, entries, strict=True):
         with torch.no_grad():

@@ -1,7 +1,9 @@
 """``draftsmith data --teacher-cache K``, then ``distill dataset=FOLDER teacher_cache=true``: the run reads the
 dataset's cache and never gives the target a training row."""
 
+import hashlib
 import json
+import shlex
 
 import pytest
 import torch
@@ -21,8 +23,8 @@ def one_thread():
 
 
 def data_args(target, output, *extra) -> list[str]:
-    # float32 pinned: the runs below teach in float32 (configs/tiny.yaml), and a cache is used only in
-    # the dtype it was computed in (auto would pick bfloat16 on a CPU with native bfloat16).
+    # float32 pinned: the answers are the same on every CPU (auto would pick bfloat16 on one with native
+    # bfloat16), and so is the cache, which then serves a run in any teacher dtype.
     common = ["--prompts", "builtin", "--max-samples", "14", "--temperature", "1.0", "--max-new-tokens", "24"]
     common += ["--dtype", "float32"]
     return [
@@ -76,14 +78,26 @@ def test_distill_reads_the_cache_the_data_step_built(tmp_path, monkeypatch, caps
     assert main(data_args(target, data, "--teacher-cache", "8")) == 0
     printed = capsys.readouterr().out
     manifest = json.loads((data / "manifest.json").read_text())
-    cached = manifest["teacher_cache"]["8"]
+    assert "teacher_cache" not in manifest  # the dataset is as it was: the cache says what it was computed for
+    cached = json.loads((data / "teacher-cache-k8" / "cache.json").read_text())
     assert (cached["target"], cached["dtype"], cached["shards"]) == (str(target), "float32", 3)
     assert cached["tokens"] == manifest["counts"]["answer_tokens"]
-    assert f"teacher cache: top 8 at {cached['tokens']} answer positions, float32" in printed
+    assert cached["manifest_sha256"] == hashlib.sha256((data / "manifest.json").read_bytes()).hexdigest()
+    assert cached["command"] == shlex.join(["draftsmith", *data_args(target, data, "--teacher-cache", "8")])
+    assert len(cached["target_weights_sha256"]) == 64 and cached["encoding"]["indices"] == "uint16"
+    assert (
+        f"teacher cache: top 8 at {cached['tokens']} answer positions, float32, uint16-float16, whole rows" in printed
+    )
 
     rows, again, _ = watched_run(run_cfg(target, data, tmp_path / "from-data"), monkeypatch)
     assert {tuple(e["input_ids"]) for e in again} == training_rows
     assert not training_rows & set(rows)  # the target never ran over a training row
-    assert f"teacher: the top-6 cache {data} carries" in capsys.readouterr().out
+    assert f"teacher: top-6 of {data / 'teacher-cache-k8'} (the dataset's cache" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "from-data" / "train_summary.json").read_text())
+    assert (summary["teacher"], summary["store"], summary["teacher_forwards"]) == (
+        "store",
+        str(data / "teacher-cache-k8"),
+        0,
+    )
     # The same teacher: top 6 of the dataset's top 8, cut to max_length 24 (float16 entries both times).
     assert first_loss(tmp_path / "from-data") == pytest.approx(first_loss(tmp_path / "own"), rel=1e-4)
