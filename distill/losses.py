@@ -161,25 +161,11 @@ def subset_token_losses(
     taken against the teacher conditioned on S, ``p_S = p / p(S)``: its minimizer ``q = p_S`` also
     minimizes the others. Zero where ``mask`` is False.
     """
-    log_q = _log_probs(student_logits, temperature)  # (B, T, N)
-    log_p = teacher_log_probs.float()
-    p, q = log_p.exp(), log_q.exp()
-    outside = (1 - p.sum(-1)).clamp(min=0)  # (B, T): p(S^c), the mass the cut draft can never accept
-    if name == "forward_kl":
-        log_p_s = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
-        losses = (log_p_s.exp() * (log_p_s - log_q)).sum(-1)
-    elif name == "reverse_kl":
-        losses = (q * (log_q - log_p)).sum(-1)
-    elif name == "jsd":
-        if not 0 < jsd_beta < 1:
-            raise ValueError(f"jsd beta must be in (0, 1), got {jsd_beta}")
-        log_m = torch.logsumexp(torch.stack([log_p + math.log(jsd_beta), log_q + math.log(1 - jsd_beta)]), dim=0)
-        inside = jsd_beta * (p * (log_p - log_m)).sum(-1) + (1 - jsd_beta) * (q * (log_q - log_m)).sum(-1)
-        losses = inside + jsd_beta * outside * -math.log(jsd_beta)  # outside S, m = beta p
-    elif name == "tvd":
-        losses = 0.5 * ((p - q).abs().sum(-1) + outside)
-    elif name == "accepted_length":
-        losses = expected_accepted(torch.minimum(p, q).sum(-1), mask, gamma)
+    if name == "accepted_length":
+        alpha = row_acceptance(student_logits, teacher_log_probs, temperature)  # (B, T)
+        losses = expected_accepted(alpha, mask, gamma)
+    elif name in LOSSES:
+        losses = row_losses(name, student_logits, teacher_log_probs, temperature, jsd_beta)  # (B, T)
     else:
         raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
     return losses * mask
@@ -198,12 +184,13 @@ def row_losses(
     temperature: float = 1.0,
     jsd_beta: float = 0.5,
 ) -> torch.Tensor:
-    """forward_kl, reverse_kl, jsd or tvd at the loss rows: (M, n), (M, n) -> (M,).
+    """forward_kl, reverse_kl, jsd or tvd at the loss rows: (M, n), (M, n) -> (M,) (or over any
+    leading shape: (B, T, n) -> (B, T), as ``subset_token_losses`` takes them).
 
     student_logits: the draft's logits over its n columns; q is their softmax at ``temperature``.
     teacher_log_probs: ``log p`` at ``temperature`` on the same columns, normalized over the target's
     full vocabulary, so that ``p`` may sum to less than 1 over the columns (a cut head): the mass
-    outside enters TVD and JSD as a constant, exactly as in ``subset_token_losses``. Forward KL
+    outside enters TVD and JSD as a constant (``subset_token_losses`` says why). Forward KL
     renormalizes ``p`` over the columns (it is infinite otherwise, and with all V columns the
     renormalization changes nothing), so for it the teacher's values may be off by a per-row constant:
     the kept logits at temperature need no full-vocabulary normalizer.
@@ -283,7 +270,7 @@ def topk_forward_kl(student_logits: torch.Tensor, teacher: TopkTeacher, temperat
 
 
 def row_acceptance(student_logits: torch.Tensor, teacher_log_probs: torch.Tensor, temperature: float = 1.0):
-    """``alpha = sum_x min(p(x), q(x))`` at the loss rows: (M, n), (M, n) -> (M,).
+    """``alpha = sum_x min(p(x), q(x))`` at the loss rows: (M, n), (M, n) -> (M,) (any leading shape).
 
     Over the columns only: where the draft has no column its q is 0, so min(p, q) adds nothing there.
     ``teacher_log_probs`` normalized over the full vocabulary, as for ``row_losses``."""

@@ -37,7 +37,7 @@ TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # report_to values
 RUN_CONFIG = "config.yaml"  # the resolved config inside every run folder
 
 
-def failed(checks: list[tuple[bool, str]]) -> list[str]:
+def failed(*checks: tuple[bool, str]) -> list[str]:
     """The messages of the (holds, message) checks that do not hold, in order."""
     return [message for ok, message in checks if not ok]
 
@@ -70,10 +70,8 @@ class DraftSection:
     def problems(self) -> list[str]:
         """What is wrong with the section's own values (the kind checks the rest: ``DistillConfig``)."""
         return failed(
-            [
-                (self.lora_r >= 0, "draft.lora_r must be >= 0"),
-                (self.vocab >= 0, "draft.vocab must be >= 0 (0 = the full head)"),
-            ]
+            (self.lora_r >= 0, "draft.lora_r must be >= 0"),
+            (self.vocab >= 0, "draft.vocab must be >= 0 (0 = the full head)"),
         )
 
 
@@ -101,16 +99,14 @@ class DataSection:
 
     def problems(self) -> list[str]:
         return failed(
-            [
-                (self.mode in ("text", "target"), "data.mode must be text or target"),
-                (self.heldout >= 1, "data.heldout must be >= 1"),
-                (self.max_length >= 8, "data.max_length must be >= 8"),
-                (self.bucket_batches >= 0, "data.bucket_batches must be >= 0 (0 = plain shuffled batches)"),
-                (
-                    self.max_samples is None or self.max_samples >= 1,
-                    "data.max_samples must be >= 1 (or left empty for all)",
-                ),
-            ]
+            (self.mode in ("text", "target"), "data.mode must be text or target"),
+            (self.heldout >= 1, "data.heldout must be >= 1"),
+            (self.max_length >= 8, "data.max_length must be >= 8"),
+            (self.bucket_batches >= 0, "data.bucket_batches must be >= 0 (0 = plain shuffled batches)"),
+            (
+                self.max_samples is None or self.max_samples >= 1,
+                "data.max_samples must be >= 1 (or left empty for all)",
+            ),
         )
 
 
@@ -126,14 +122,12 @@ class GenerateSection:
 
     def problems(self) -> list[str]:
         return failed(
-            [
-                (self.samples >= 1, "generate.samples must be >= 1"),
-                (self.batch_size >= 1, f"generate.batch_size must be >= 1, got {self.batch_size}"),
-                (
-                    self.samples == 1 or self.temperature > 0,
-                    "generate.samples > 1 needs generate.temperature > 0 (greedy answers would all be the same)",
-                ),
-            ]
+            (self.samples >= 1, "generate.samples must be >= 1"),
+            (self.batch_size >= 1, f"generate.batch_size must be >= 1, got {self.batch_size}"),
+            (
+                self.samples == 1 or self.temperature > 0,
+                "generate.samples > 1 needs generate.temperature > 0 (greedy answers would all be the same)",
+            ),
         )
 
 
@@ -148,15 +142,13 @@ class OnPolicySection:
     def problems(self, live_teacher: bool) -> list[str]:
         """live_teacher: the target runs as teacher (``teacher.cache: false``), as the draft's answers need."""
         return failed(
-            [
-                (0 <= self.fraction <= 1, "on_policy.fraction must be in [0, 1]"),
-                (self.refresh_steps >= 1, "on_policy.refresh_steps must be >= 1"),
-                (self.pool >= 1, "on_policy.pool must be >= 1"),
-                (
-                    self.fraction == 0 or live_teacher,
-                    "on_policy.fraction > 0 needs the live target (teacher.cache: false): draft answers are new text",
-                ),
-            ]
+            (0 <= self.fraction <= 1, "on_policy.fraction must be in [0, 1]"),
+            (self.refresh_steps >= 1, "on_policy.refresh_steps must be >= 1"),
+            (self.pool >= 1, "on_policy.pool must be >= 1"),
+            (
+                self.fraction == 0 or live_teacher,
+                "on_policy.fraction > 0 needs the live target (teacher.cache: false): draft answers are new text",
+            ),
         )
 
 
@@ -186,25 +178,23 @@ class TeacherSection:
 
     def problems(self) -> list[str]:
         return failed(
-            [
-                (self.top_k >= 1, "teacher.top_k must be >= 1"),
-                (
-                    self.cache_dtype in ("bfloat16", "float16", "float32"),
-                    f"teacher.cache_dtype must be bfloat16, float16 or float32, got {self.cache_dtype!r}",
-                ),
-                (
-                    self.cache_fill in ("before", "first_epoch"),
-                    f"teacher.cache_fill must be before or first_epoch, got {self.cache_fill!r}",
-                ),
-                (
-                    self.shard in ("auto", "true", "false"),
-                    f"teacher.shard must be auto, true or false, got {self.shard!r}",
-                ),
-                (
-                    self.dtype in ("auto", "float32", "bfloat16", "float16"),
-                    "teacher.dtype must be auto, float32, bfloat16 or float16",
-                ),
-            ]
+            (self.top_k >= 1, "teacher.top_k must be >= 1"),
+            (
+                self.cache_dtype in ("bfloat16", "float16", "float32"),
+                f"teacher.cache_dtype must be bfloat16, float16 or float32, got {self.cache_dtype!r}",
+            ),
+            (
+                self.cache_fill in ("before", "first_epoch"),
+                f"teacher.cache_fill must be before or first_epoch, got {self.cache_fill!r}",
+            ),
+            (
+                self.shard in ("auto", "true", "false"),
+                f"teacher.shard must be auto, true or false, got {self.shard!r}",
+            ),
+            (
+                self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                "teacher.dtype must be auto, float32, bfloat16 or float16",
+            ),
         )
 
 
@@ -218,13 +208,11 @@ class LossSection:
 
     def problems(self) -> list[str]:
         return failed(
-            [
-                (self.name in LOSSES, f"loss.name must be one of {', '.join(LOSSES)}"),
-                (self.temperature > 0, "loss.temperature must be > 0"),
-                (0 < self.jsd_beta < 1, "loss.jsd_beta must be in (0, 1)"),
-                (self.gamma >= 1, "loss.gamma must be >= 1"),
-                (0 <= self.ce_weight <= 1, "loss.ce_weight must be in [0, 1]"),
-            ]
+            (self.name in LOSSES, f"loss.name must be one of {', '.join(LOSSES)}"),
+            (self.temperature > 0, "loss.temperature must be > 0"),
+            (0 < self.jsd_beta < 1, "loss.jsd_beta must be in (0, 1)"),
+            (self.gamma >= 1, "loss.gamma must be >= 1"),
+            (0 <= self.ce_weight <= 1, "loss.ce_weight must be in [0, 1]"),
         )
 
 
@@ -247,21 +235,19 @@ class OptimSection:
     def problems(self) -> list[str]:
         minutes = self.max_minutes
         return failed(
-            [
-                (self.max_steps >= 1, "optim.max_steps must be >= 1"),
-                (
-                    minutes is None or (isinstance(minutes, (int, float)) and 0 < minutes < float("inf")),
-                    f"optim.max_minutes must be minutes > 0 (or null for optim.max_steps alone), got {minutes!r}",
-                ),
-                (self.budget_checkpoints >= 1, "optim.budget_checkpoints must be >= 1"),
-                (self.batch_size >= 1, "optim.batch_size must be >= 1"),
-                (self.grad_accum >= 1, "optim.grad_accum must be >= 1"),
-                (self.lr > 0, "optim.lr must be > 0"),
-                (
-                    self.mixed_precision in ("no", "bf16", "fp16", "auto"),
-                    "optim.mixed_precision must be no, bf16, fp16 or auto",
-                ),
-            ]
+            (self.max_steps >= 1, "optim.max_steps must be >= 1"),
+            (
+                minutes is None or (isinstance(minutes, (int, float)) and 0 < minutes < float("inf")),
+                f"optim.max_minutes must be minutes > 0 (or null for optim.max_steps alone), got {minutes!r}",
+            ),
+            (self.budget_checkpoints >= 1, "optim.budget_checkpoints must be >= 1"),
+            (self.batch_size >= 1, "optim.batch_size must be >= 1"),
+            (self.grad_accum >= 1, "optim.grad_accum must be >= 1"),
+            (self.lr > 0, "optim.lr must be > 0"),
+            (
+                self.mixed_precision in ("no", "bf16", "fp16", "auto"),
+                "optim.mixed_precision must be no, bf16, fp16 or auto",
+            ),
         )
 
 
@@ -272,10 +258,7 @@ class SaveSection:
 
     def problems(self) -> list[str]:
         return failed(
-            [
-                (self.steps >= 1, "save.steps must be >= 1"),
-                (self.keep_last >= 1, "save.keep_last must be >= 1"),
-            ]
+            (self.steps >= 1, "save.steps must be >= 1"), (self.keep_last >= 1, "save.keep_last must be >= 1")
         )
 
 
@@ -286,13 +269,11 @@ class LogSection:
 
     def problems(self) -> list[str]:
         return failed(
-            [
-                (self.steps >= 1, "log.steps must be >= 1"),
-                (
-                    all(name in TRACKERS for name in self.report_to.split(",")),
-                    f"log.report_to must be none or a comma-separated list of {', '.join(TRACKERS[1:])}",
-                ),
-            ]
+            (self.steps >= 1, "log.steps must be >= 1"),
+            (
+                all(name in TRACKERS for name in self.report_to.split(",")),
+                f"log.report_to must be none or a comma-separated list of {', '.join(TRACKERS[1:])}",
+            ),
         )
 
 
@@ -308,15 +289,13 @@ class EvalSection:
 
     def problems(self) -> list[str]:
         return failed(
-            [
-                (self.speedup_steps >= 0, "eval.speedup_steps must be >= 0"),
-                (
-                    bool(self.gammas) and all(isinstance(g, int) and g >= 1 for g in self.gammas),
-                    "eval.gammas must be a list of integers >= 1",
-                ),
-                (self.limit >= 1, f"eval.limit must be >= 1 (prompts measured in training), got {self.limit}"),
-                (self.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}"),
-            ]
+            (self.speedup_steps >= 0, "eval.speedup_steps must be >= 0"),
+            (
+                bool(self.gammas) and all(isinstance(g, int) and g >= 1 for g in self.gammas),
+                "eval.gammas must be a list of integers >= 1",
+            ),
+            (self.limit >= 1, f"eval.limit must be >= 1 (prompts measured in training), got {self.limit}"),
+            (self.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}"),
         )
 
 
@@ -369,17 +348,15 @@ class DistillConfig:
     def run_problems(self) -> list[str]:
         """What is wrong with the run-wide settings (device, output_dir, resume)."""
         return failed(
-            [
-                (
-                    re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None,
-                    f"device must be auto, cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
-                ),
-                (
-                    not Path(self.output_dir).is_file(),
-                    f"output_dir {self.output_dir} is an existing file; give a folder path (new, or a run to resume)",
-                ),
-                (self.resume in ("auto", "force"), "resume must be auto or force"),
-            ]
+            (
+                re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None,
+                f"device must be auto, cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
+            ),
+            (
+                not Path(self.output_dir).is_file(),
+                f"output_dir {self.output_dir} is an existing file; give a folder path (new, or a run to resume)",
+            ),
+            (self.resume in ("auto", "force"), "resume must be auto or force"),
         )
 
 
@@ -403,23 +380,12 @@ def by_section(values: dict[str, object]) -> tuple[dict[str, object], dict[str, 
 
 
 def draft_settings(cfg: DistillConfig) -> DraftSettings:
-    """The config's draft section (and what the kinds read beside it), as the drafter kinds take them."""
-    d = cfg.draft
-    return DraftSettings(
-        kind=d.kind,
-        init=d.init,
-        layers=d.layers,
-        config=d.config,
-        model=d.model,
-        lora_r=d.lora_r,
-        lora_alpha=d.lora_alpha,
-        lora_target_modules=tuple(d.lora_target_modules),
-        freeze_embeddings=d.freeze_embeddings,
-        options=d.options,
-        train_draft_vocab=d.vocab,
-        teacher_dtype=cfg.teacher.dtype,
-        loss=cfg.loss.name,
-    )
+    """The config's draft section (and what the kinds read beside it), as the drafter kinds take them:
+    each setting under its own name, but ``vocab`` (``train_draft_vocab``)."""
+    section = {f.name: getattr(cfg.draft, f.name) for f in dataclasses.fields(DraftSection)}
+    vocab, modules = section.pop("vocab"), tuple(section.pop("lora_target_modules"))
+    beside = {"teacher_dtype": cfg.teacher.dtype, "loss": cfg.loss.name}
+    return DraftSettings(**section, lora_target_modules=modules, train_draft_vocab=vocab, **beside)
 
 
 # The flat keys of earlier configs and where each setting lives now.

@@ -4,7 +4,6 @@ import importlib.metadata
 import json
 
 import pytest
-import torch
 
 from draftsmith.distill.dataset_builder import (
     BuildSettings,
@@ -24,28 +23,11 @@ from draftsmith.distill.self_prompts import SelfPromptSettings
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.prompts import encode_chat
-from tests.helpers import tiny_llama, tiny_tokenizer
 
 EOS = frozenset({1})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are latency-bound: on a shared machine, OpenMP's thread barriers cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(vocab=32, sharpness=8.0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer(32)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread beats OpenMP's barriers
 
 
 def records(n: int, start: int = 0) -> list[PromptRecord]:

@@ -11,32 +11,14 @@ from pathlib import Path
 
 import datasets
 import pytest
-import torch
 import yaml
 
 from draftsmith.distill import dataset_builder
 from draftsmith.distill.dataset_builder import check_trusted, load_built, read_manifest, shard_paths
 from draftsmith.specdec.errors import DraftsmithError
 from tests.distill.test_dataset_builder import build, records, rows_by_key
-from tests.helpers import tiny_llama, tiny_tokenizer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(vocab=32, sharpness=8.0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer(32)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread beats OpenMP's barriers
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """Prompts written by the target itself (Magpie): the user-turn opening, topic shares, filters, dedup."""
 
 import pytest
-import torch
 
 from draftsmith.distill.engines import BundledEngine, Writer
 from draftsmith.distill.prompt_filters import Deduplicator, PromptFilter
@@ -19,13 +18,7 @@ from tests.helpers import tiny_llama, tiny_tokenizer
 CHATML = "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are latency-bound: on a shared machine, OpenMP's thread barriers cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread beats OpenMP's barriers
 
 
 @pytest.fixture(scope="module")
