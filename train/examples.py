@@ -319,13 +319,13 @@ class FillingTeacher(Teacher):
         cfg: DistillConfig,
         pad: int,
         rank: int = 0,
-        entries: dataset_cache.Entries | None = None,
+        carried: tuple[dataset_cache.Entries, Path] | None = None,
     ):
         super().__init__(target, settings)
         self.store, self.examples, self.cfg, self.pad, self.rank = folder, examples, cfg, pad, rank
-        # the examples' top-k from the dataset's cache, in their order: the forwards then compute the hidden
-        # states alone (no head), and the store keeps these entries beside them
-        self.entries = entries
+        # (the examples' top-k from the dataset's cache, in their order; that cache): the forwards then compute
+        # the hidden states alone (no head), and the store keeps these entries beside them
+        self.entries, self.carried_by = carried if carried is not None else (None, None)
         self.seen: dict[bytes, tuple] = {}  # digest -> (ids (N, k), log-probs (N, k), {layer: (L, H)})
         # this process's shards of the first epoch so far (a resumed run goes on numbering after them)
         self.written = len(list(folder.glob(f"shard-r{rank:03d}-[0-9]*.safetensors")))
@@ -405,6 +405,8 @@ class FillingTeacher(Teacher):
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             made_by = store_made_by(self.cfg, self.target, self.examples, layers)
+            if self.carried_by is not None:
+                made_by["top_k_from"] = str(self.carried_by)  # the dataset's cache gave the top-k
             tokens = sum(sum(e["loss_mask"]) for e in self.examples)
             examples = len(written) + len(missing)
             teacher_cache.write_meta(self.store, examples, tokens, self.cfg.teacher.top_k, 0, made_by)
@@ -472,9 +474,8 @@ def teacher(
         return Teacher(target, settings)
     layers = settings.layers
     carried = dataset_teacher_entries(cfg, target, train_examples, accelerator)
-    entries, cache = carried if carried is not None else (None, None)
-    if entries is not None and not layers:
-        return StoreTeacher(target, settings, train_examples, entries, folder=cache)
+    if carried is not None and not layers:
+        return StoreTeacher(target, settings, train_examples, carried[0], folder=carried[1])
     covered = train_examples if cfg.teacher.cache_fill == "first_epoch" else train_examples + heldout
     fmt = teacher_cache.StoreFormat(
         cfg.teacher.top_k,
@@ -485,7 +486,7 @@ def teacher(
     folder = store_folder(cfg, target, covered, fmt)
     if cfg.teacher.cache_fill == "first_epoch" and not (folder / "meta.json").is_file():
         rank = accelerator.process_index
-        return FillingTeacher(target, settings, folder, train_examples, cfg, pad, rank, entries)
+        return FillingTeacher(target, settings, folder, train_examples, cfg, pad, rank, carried)
     group = ProcessGroup(accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
     name = target_name(cfg)
     teacher_cache.build(target, covered, folder, fmt, group, cfg.optim.batch_size, accelerator.is_main_process, name)

@@ -4,13 +4,19 @@ dataset's cache and never gives the target a training row."""
 import hashlib
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
 
 from draftsmith.cli import main
+from draftsmith.distill import teacher_cache
+from draftsmith.distill.dataset_builder import training_examples
+from draftsmith.distill.dataset_cache import dataset_entries
+from draftsmith.distill.teacher_cache import example_digest
 from draftsmith.train.config import DistillConfig, config_path, load_config
-from tests.helpers import save_tiny_pair
+from draftsmith.train.loop import train
+from tests.helpers import save_tiny_pair, tiny_llama, tiny_tokenizer
 from tests.train.test_teacher_cache_reuse import watched_run
 
 
@@ -41,14 +47,17 @@ def data_args(target, output, *extra) -> list[str]:
     ]
 
 
-def run_cfg(target, data, folder) -> DistillConfig:
+real_head_top_k = teacher_cache.head_top_k
+
+
+def run_cfg(target, data, folder, *extra: str, steps: int = 3) -> DistillConfig:
     overrides = [
         f"target={target}",
         f"data.dataset={data}",
         "data.heldout=2",
-        "optim.max_steps=3",
-        "save.steps=3",
-        "log.steps=3",
+        f"optim.max_steps={steps}",
+        f"save.steps={steps}",
+        f"log.steps={steps}",
     ]
     overrides += [
         "teacher.cache=true",
@@ -56,6 +65,7 @@ def run_cfg(target, data, folder) -> DistillConfig:
         "data.max_length=24",
         "optim.batch_size=4",
         f"output_dir={folder}",
+        *extra,
     ]
     return load_config(DistillConfig, config_path("tiny"), overrides)
 
@@ -101,3 +111,43 @@ def test_distill_reads_the_cache_the_data_step_built(tmp_path, monkeypatch, caps
     )
     # The same teacher: top 6 of the dataset's top 8, cut to max_length 24 (float16 entries both times).
     assert first_loss(tmp_path / "from-data") == pytest.approx(first_loss(tmp_path / "own"), rel=1e-4)
+
+
+def test_a_kind_reading_hidden_states_takes_the_datasets_top_k_and_fills_only_the_states(tmp_path, monkeypatch):
+    target = tmp_path / "target"  # 4 layers: the head reads the states entering layers 1, 2 and 3
+    tiny_llama(layers=4, sharpness=8.0).save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    data = tmp_path / "ds"
+    assert main(data_args(target, data, "--teacher-cache", "8")) == 0
+    eagle = ["draft.kind=eagle3", "draft.vocab=30", "teacher.cache_dtype=float32"]
+
+    def run(name: str, fill: str) -> tuple[list[float], dict, Path]:
+        monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / f"home-{name}"))  # a store of its own
+        cfg = run_cfg(target, data, tmp_path / name, *eagle, f"teacher.cache_fill={fill}", steps=6)
+        heads = []
+        monkeypatch.setattr(teacher_cache, "head_top_k", lambda *args: heads.append(1) or real_head_top_k(*args))
+        result = train(cfg)
+        monkeypatch.undo()
+        losses = [json.loads(line)["loss"] for line in (result.run_dir / "losses.jsonl").read_text().splitlines()]
+        summary = json.loads((result.run_dir / "train_summary.json").read_text())
+        return losses, {**summary, "heads": len(heads)}, Path(summary["store"])
+
+    # 12 training rows in batches of 4: the first epoch's 3 steps run the target's layers for their hidden
+    # states, never its head (the top-8 are the dataset's), and fill the store the second epoch reads.
+    filled, summary, store = run("fill", "first_epoch")
+    assert (summary["teacher"], summary["teacher_forwards"], summary["heads"]) == ("filled", 3, 0)
+    meta = json.loads((store / "meta.json").read_text())
+    assert (meta["top_k"], meta["examples"], meta["top_k_from"]) == (6, 12, str(data / "teacher-cache-k8"))
+    assert meta["layers"] == [1, 2, 3]
+    train_rows = training_examples(data, 24)
+    stored = teacher_cache.Store(store)
+    carried, _ = dataset_entries(data, [e for e in train_rows if example_digest(e) in stored.entries], "float32", 6, 24)
+    found = stored.lookup([e for e in train_rows if example_digest(e) in stored.entries])
+    assert len(found) == 12
+    for (ids, logps), (want_ids, want_logps) in zip(found, carried, strict=True):
+        assert torch.equal(ids, want_ids) and torch.equal(logps, want_logps)
+
+    # The same run from a store the target computes before training: the same teacher, the same losses.
+    built, summary, _ = run("before", "before")
+    assert summary["heads"] > 0 and summary["teacher_forwards"] == 0
+    assert filled == pytest.approx(built, rel=1e-4)
