@@ -1,5 +1,6 @@
 """``draftsmith data`` end to end on a tiny target saved to disk: killed midway, resumed, extended, refused."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -244,3 +245,34 @@ def test_the_target_through_a_link_or_with_a_trailing_slash_continues_the_same_d
     capsys.readouterr()
     assert len(load_built(out)) == 6
     assert json.loads((out / "manifest.json").read_text())["settings"]["target"] == str(target)  # as first named
+
+
+def test_a_finished_datasets_teacher_cache_alone_and_what_it_records(target, tmp_path, capsys):
+    data = tmp_path / "ds"
+    assert main(self_args(target, data, 6)) == 0
+    capsys.readouterr()
+    manifest = (data / "manifest.json").read_bytes()
+    only = ["--output", str(data), "--cache-only", "--teacher-cache", "4", "--teacher-encoding", "uint8"]
+    only += ["--max-length", "40", "--dtype", "float32", "--no-progress"]
+    assert main(["data", *only]) == 0  # no build option restated: the folder's own target computes it
+    cache = data / "teacher-cache-k4-uint8"
+    record = json.loads((cache / "cache.json").read_text())
+    assert (record["target"], record["dtype"], record["top_k"], record["max_length"]) == (str(target), "float32", 4, 40)
+    assert record["encoding"] == {"indices": "uint16", "logprobs": "uint8"}
+    assert record["command"] == " ".join(["draftsmith", "data", *only])
+    assert record["manifest_sha256"] == hashlib.sha256(manifest).hexdigest()
+    assert (data / "manifest.json").read_bytes() == manifest  # the rows and the manifest are untouched
+    line = f"teacher cache: top 4 at {record['tokens']} answer positions, float32, uint16-uint8, rows cut at 40 tokens"
+    assert capsys.readouterr().out == f"{line} ({cache})\n"
+
+    # Another cut into the same folder is refused by name; the options that would write rows are refused.
+    assert main(["data", *only[:7], "--max-length", "30"]) == 2
+    assert "max_length 40 (now 30); delete it to compute it again this way" in capsys.readouterr().err
+    for extra, message in [
+        ([], "--cache-only needs --teacher-cache K"),
+        (["--teacher-cache", "4", "--hidden-layers", "1"], "leave out --hidden-layers and --engine"),
+    ]:
+        assert main(["data", "--output", str(data), "--cache-only", *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["data", "--output", str(tmp_path / "none"), "--cache-only", "--teacher-cache", "4"]) == 2
+    assert "has no manifest.json" in capsys.readouterr().err
