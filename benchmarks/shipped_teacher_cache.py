@@ -114,6 +114,11 @@ def main() -> None:
         rows.append({"top_k": top_k, "logprobs": logprobs, "bytes": raw, "zlib_bytes": packed})
         rows[-1] |= trained(folder, top_k, args)
         print(json.dumps(rows[-1]), flush=True)
+        report(rows, args)  # after each candidate: a run stopped early keeps what it measured
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    """The table so far, each candidate against the first, and the JSON (results/NAME.json)."""
     reference = rows[0]["heldout_sum_min_pq"]  # the first candidate's
     print(f"\n{'k':>3} {'log-probs':>9} {'MB':>7} {'MB zlib':>8} {'held-out sum min(p,q)':>22} {'vs first':>10}")
     for row in rows:

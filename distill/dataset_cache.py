@@ -188,7 +188,7 @@ def derive_cache(folder: Path, source: Path, fmt: StoreFormat, command: str) -> 
             rows = slice(start, start + size)
             chunk = (list(digests[rows]), ids[rows], logps[rows])
             teacher_cache.write_shard(out / shard.name, number, *chunk, encoding=fmt.encoding)
-        made_by = {key: meta[key] for key in ("target", "dtype", "content", "target_key") if key in meta}
+        made_by = {"target": record["target"], "dtype": record["dtype"], "content": meta["content"]}
         made_by |= {**fmt.describe(), "derived_from": source.name}
         teacher_cache.write_meta(out / shard.name, meta["examples"], meta["tokens"], fmt.top_k, 0, made_by)
     record |= {"top_k": fmt.top_k, "encoding": asdict(fmt.encoding), "command": command, "derived_from": source.name}
