@@ -168,6 +168,26 @@ def parser() -> argparse.ArgumentParser:
         default=256,
         help="rows per saved shard, of the rows and of a feature store (default: 256)",
     )
+    add_store_options(p)
+    p.add_argument("--store-dtype", default="bfloat16", help="--hidden-layers: storage dtype (default: bfloat16)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=None, help="--engine vllm: GPUs per model copy (default: 1)"
+    )
+    p.add_argument(
+        "--data-parallel-size", type=int, default=None, help="--engine vllm: model copies serving (default: 1)"
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def add_store_options(p: argparse.ArgumentParser) -> None:
+    """--teacher-cache and the options of what it stores."""
     p.add_argument(
         "--teacher-cache",
         type=int,
@@ -211,21 +231,6 @@ def parser() -> argparse.ArgumentParser:
         help="rows cut as distill cuts them (its data.max_length): for --teacher-cache (a run with a larger "
         f"max_length computes its own; default: whole rows) and --hidden-layers (default: {STORE_LENGTH})",
     )
-    p.add_argument("--store-dtype", default="bfloat16", help="--hidden-layers: storage dtype (default: bfloat16)")
-    p.add_argument(
-        "--tensor-parallel-size", type=int, default=None, help="--engine vllm: GPUs per model copy (default: 1)"
-    )
-    p.add_argument(
-        "--data-parallel-size", type=int, default=None, help="--engine vllm: model copies serving (default: 1)"
-    )
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def prompt_plan(args: argparse.Namespace) -> tuple[list | SelfPromptRequest, dict]:
