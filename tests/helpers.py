@@ -10,8 +10,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftsmith.distill.losses import row_losses
 from draftsmith.specdec.decoder import speculative_generate
 from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.sampling import accept_sampled
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -207,6 +209,43 @@ def assert_fits(target, params, *per_prompt) -> None:
     """Every position and pair of every prompt fits the target (z < 4)."""
     scores = sampled_fit(target, params, per_prompt)
     assert max(scores.values()) < 4, scores
+
+
+# Broken acceptance rules (in place of ``sampling.accept_sampled``): a sampled fit must reject their output.
+
+
+def always_accept(tokens, q, p, counts, generator=None):
+    """Every draft accepted, the bonus token drawn from p."""
+    return counts.clone(), torch.multinomial(p[torch.arange(len(tokens)), counts], 1, generator=generator)[:, 0]
+
+
+def correct_from_p(tokens, q, p, counts, generator=None):
+    """The acceptance test is right, but a rejection is corrected from p instead of the residual."""
+    n_accepted, _ = accept_sampled(tokens, q, p, counts, generator)
+    return n_accepted, torch.multinomial(p[torch.arange(len(tokens)), n_accepted], 1, generator=generator)[:, 0]
+
+
+def named_tiny_llama(**fields) -> LlamaForCausalLM:
+    """``tiny_llama`` with a name, as a loaded target has (a saved draft's layout names its target)."""
+    model = tiny_llama(**fields)
+    model.name_or_path = "tests/tiny-llama"
+    return model
+
+
+def fit_forward_kl(kind, draft, next_batch, steps: int, lr: float = 3e-3):
+    """``draft`` trained ``steps`` Adam steps through its kind's own training forward, on forward KL
+    against the teacher: ``next_batch()`` gives (``Batch``, the teacher's log-probs at its loss rows
+    (M, n)). Returns it in eval mode."""
+    optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        batch, teacher = next_batch()
+        predicted = kind.training_forward(draft, draft, batch)
+        losses = row_losses("forward_kl", predicted.logits, teacher[predicted.teacher_rows])
+        loss = (losses * predicted.weights).sum() / len(batch.rows)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return draft.eval()
 
 
 def check_card_usage(folder, kind, gamma: int) -> str:

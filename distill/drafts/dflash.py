@@ -34,7 +34,7 @@ per layer, in the drafter's own cache (row p at position p). A proposal is ONE f
 ``[x_n, m x gamma]`` (``round_forwards`` = 1); the gamma tokens are drawn from the mask rows' q_k
 (argmax, or a sample from the processed q_k, which the acceptance rule gets), so the output is
 exactly the target's. The block's own keys never enter the cache. A token tree's level k is the
-top-k of q_k for every node of level k-1 (``parallel.tree_from_levels``): its candidates do not
+top-k of q_k for every node of level k-1 (``one_forward.tree_from_levels``): its candidates do not
 depend on the parent, so tree acceptance stays exact; the tree's nodes are never fed back.
 
 **Serving**: the z-lab DFlash layout vLLM's ``dflash`` method loads: ``config.json`` a Qwen3 config
@@ -66,16 +66,13 @@ from draftsmith.distill.drafts.kind import (
     DraftSettings,
     KindBase,
     Predictions,
-    Serving,
     layer_count,
+    refuse_settings,
 )
-from draftsmith.distill.drafts.parallel import ParallelProposal, tree_from_levels
-from draftsmith.specdec.drafters import draft_chain, stack_proposal
+from draftsmith.distill.drafts.one_forward import OneForwardDrafter
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.stream import Verification
-from draftsmith.specdec.tree import TreeShape
-from draftsmith.specdec.tree_drafting import Tree
 from draftsmith.specdec.verify import TargetVerifier
 
 CONFIG, WEIGHTS, MASK_EMBEDDING = "config.json", "model.safetensors", "mask_embedding.pt"
@@ -238,10 +235,7 @@ class DFlashDraft(DraftModel):
     def decoding_pair(
         self, target: PreTrainedModel, batch_size: int, capacity: int, options: DecodeOptions
     ) -> tuple[TargetVerifier, DFlashDrafter]:
-        self.decodes_compiled(target, options)
-        if (target.config.hidden_size, target.config.vocab_size) != (self.config.hidden_size, self.config.vocab_size):
-            raise DraftsmithError("this DFlash draft was made for another target (hidden size or vocabulary differ)")
-        verifier = TargetVerifier.for_options(target, batch_size, capacity, options, feature_layers=self.feature_layers)
+        verifier = self.feature_verifier(target, batch_size, capacity, options, self.feature_layers)
         return verifier, DFlashDrafter(self, batch_size, capacity)
 
     def round_forwards(self, gamma: int) -> int:
@@ -265,14 +259,12 @@ def block_attention(q, k, v, context_k, context_v, context_ok, scale: float) -> 
     return out + torch.einsum("bahqk,bakhd->baqhd", weights[..., seen:], v)
 
 
-class DFlashDrafter:
+class DFlashDrafter(OneForwardDrafter):
     """A ``DFlashDraft`` as drafter (``specdec.drafters.Drafter``) on its own context cache.
 
     The cache holds, per layer, the keys and values of the target's context vectors of the committed
     rows the target has computed: one less than the committed tokens (the last, x_n, is the block's
     anchor). ``lengths`` (B,) counts them; row p sits at position p."""
-
-    takes_guesses = True  # rounds may verify lookup guesses: it takes the committed rows as they come
 
     def __init__(self, draft: DFlashDraft, batch_size: int, capacity: int):
         self.draft = draft
@@ -303,9 +295,11 @@ class DFlashDrafter:
             cache_v[rows, positions[rows, columns]] = v[rows, columns]
         self.lengths = self.lengths + kept.sum(1)
 
-    def block_logits(self, last: torch.Tensor, width: int) -> torch.Tensor:
-        """ONE forward over [last token, ``width`` masks] per sequence: logits (B, width, V), row k
-        the draft's distribution for the token k places after the last one."""
+    def round_logits(self, sequences: list[list[int]], reading: torch.Tensor, width: int) -> torch.Tensor:
+        """ONE forward over [last token, ``width`` masks] per sequence: logits (B, width, V), row k the
+        draft's distribution for the token k+1 places after the last one (every sequence's block: its
+        cache holds its context, whether it reads or not)."""
+        last = torch.tensor([sequence[-1] for sequence in sequences], device=self.draft.device)
         seen = int(self.lengths.max())
         kv = [(k[:, :seen], v[:, :seen]) for k, v in self.kv]
         context_ok = (torch.arange(seen, device=last.device) < self.lengths[:, None])[:, None]  # (B, 1, S)
@@ -314,25 +308,6 @@ class DFlashDrafter:
         hidden = self.draft.block_hidden(x, positions, kv, context_ok)[:, 0, 1:]  # the masks' rows
         return self.draft.lm_head(hidden)
 
-    def propose(
-        self,
-        sequences: list[list[int]],
-        budget: torch.Tensor,
-        options: DecodeOptions,
-        generator: torch.Generator | None,
-    ) -> ParallelProposal:
-        """Up to ``budget[b]`` tokens per sequence from one draft forward: token k drawn from q_k (its
-        argmax when drafting greedily); with a confidence threshold a chain stops after its first token
-        whose ``max q_k`` is below it."""
-        width = int(budget.max())
-        if width == 0:  # no sequence may draft
-            proposal = stack_proposal([], [], torch.zeros_like(budget))
-            return ParallelProposal.of(proposal, forwards=0)
-        last = torch.tensor([sequence[-1] for sequence in sequences], device=self.draft.device)
-        rows = iter(self.block_logits(last, width).unbind(1))  # (B, V) each: q_1 .. q_width
-        proposal = draft_chain(lambda token, active: next(rows), budget, options, generator)
-        return ParallelProposal.of(proposal)
-
     def rollback(self, keep: torch.Tensor) -> None:
         """The cache holds one row less than the committed tokens, so nothing is dropped unless asked."""
         self.lengths = torch.minimum(self.lengths, keep.to(self.lengths.device))
@@ -340,18 +315,6 @@ class DFlashDrafter:
     def select(self, rows: torch.Tensor) -> None:
         self.kv = [(k[rows], v[rows]) for k, v in self.kv]
         self.lengths = self.lengths[rows]
-
-    def propose_tree(self, sequence: list[int], shape: TreeShape, max_depth: int) -> Tree:
-        """A tree of at most ``max_depth`` levels from one forward over ``max_depth`` masks."""
-        if max_depth < 1:
-            return Tree()
-        logits = self.block_logits(torch.tensor([sequence[-1]], device=self.draft.device), max_depth)[0]  # (D, V)
-        tree = tree_from_levels(logits.float().log_softmax(-1), shape)
-        tree.steps = 1
-        return tree
-
-    def commit_tree(self, tree: Tree, path: list[int]) -> None:
-        """Nothing: no node entered the cache; the path's target states come by ``observe``."""
 
 
 # ---- Training: anchored blocks (speculators' DFlash recipe) -----------------------------------------
@@ -413,15 +376,8 @@ class DFlashKind(KindBase):
 
     def check(self, settings: DraftSettings) -> None:
         super().check(settings)
-        refused = {
-            "draft.lora_r": (settings.lora_r, 0),
-            "draft.config": (settings.config, {}),
-            "draft.model": (settings.model, None),
-            "draft.vocab": (settings.train_draft_vocab, 0),
-        }
-        for name, (value, default) in refused.items():
-            if value != default:
-                raise DraftsmithError(f"dflash drafts are decoder layers on the target's head: leave out {name}")
+        refused = ("draft.lora_r", "draft.config", "draft.model", "draft.vocab")
+        refuse_settings(self.name, settings, refused, "are decoder layers on the target's head")
         if "mask_token_id" not in settings.options:
             raise DraftsmithError(
                 "dflash drafts need draft.options.mask_token_id: an id of the target's vocabulary that the data never "
@@ -480,7 +436,9 @@ class DFlashKind(KindBase):
         return Predictions(logits, teacher_rows, weights)
 
     def save(self, draft: DFlashDraft, state: dict | None, tokenizer, folder: Path, target_name: str) -> None:
-        """The DFlash layout proposing block_size - 1 tokens (publish writes the measured gamma)."""
+        """The DFlash layout and the tokenizer; ``export`` adds ``write_serving``'s generation config (gamma
+        and the tree shape for draftsmith's eval; vLLM takes num_speculative_tokens from its own speculative
+        config)."""
         write_layout(draft, folder, state, target_name)
         tokenizer.save_pretrained(folder)
 
@@ -500,13 +458,6 @@ class DFlashKind(KindBase):
 
     def check_export(self, folder: Path) -> None:
         read_layout(folder)
-
-    def export(self, draft: DFlashDraft, tokenizer, folder: Path, serving: Serving) -> None:
-        """The DFlash layout, and ``write_serving``'s generation config (gamma and the tree shape for
-        draftsmith's eval; vLLM takes num_speculative_tokens from its own speculative config)."""
-        write_layout(draft, folder)
-        self.write_serving(draft, folder, serving)
-        tokenizer.save_pretrained(folder)
 
     def engine_config(self, folder: Path) -> dict:
         return {"method": "dflash", "model": str(folder)}

@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch import nn
+from torch import Generator, nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -84,6 +84,7 @@ from draftsmith.distill.drafts.kind import (
     OwnParameters,
     Predictions,
     Serving,
+    refuse_settings,
 )
 from draftsmith.specdec.drafters import Proposal, draft_chain
 from draftsmith.specdec.errors import DraftsmithError
@@ -297,10 +298,7 @@ class EagleHead(DraftModel):
     def decoding_pair(
         self, target: PreTrainedModel, batch_size: int, capacity: int, options: DecodeOptions
     ) -> tuple[TargetVerifier, EagleDrafter]:
-        self.decodes_compiled(target, options)
-        if (target.config.hidden_size, target.config.vocab_size) != (self.config.hidden_size, self.config.vocab_size):
-            raise DraftsmithError("this EAGLE-3 head was made for another target (hidden size or vocabulary differ)")
-        verifier = TargetVerifier.for_options(target, batch_size, capacity, options, feature_layers=self.aux_layers)
+        verifier = self.feature_verifier(target, batch_size, capacity, options, self.aux_layers)
         return verifier, EagleDrafter(self, batch_size, capacity)
 
 
@@ -417,11 +415,7 @@ class EagleDrafter:
         return logits[:, -1], hidden[:, -1:]
 
     def propose(
-        self,
-        sequences: list[list[int]],
-        budget: torch.Tensor,
-        options: DecodeOptions,
-        generator: torch.Generator | None,
+        self, sequences: list[list[int]], budget: torch.Tensor, options: DecodeOptions, generator: Generator | None
     ) -> Proposal:
         """Up to ``budget[b]`` tokens per sequence, one head forward per token (``draft_chain``; the first
         also builds the pending rows); sequences that stop early feed padding, so the batch stays dense.
@@ -652,14 +646,8 @@ class EagleKind(KindBase):
 
     def check(self, settings: DraftSettings) -> None:
         super().check(settings)
-        refused = {
-            "draft.lora_r": (settings.lora_r, 0),
-            "draft.config": (settings.config, {}),
-            "draft.model": (settings.model, None),
-        }
-        for name, (value, default) in refused.items():
-            if value != default:
-                raise DraftsmithError(f"eagle3 drafts are one decoder layer built on the target: leave out {name}")
+        refused = ("draft.lora_r", "draft.config", "draft.model")
+        refuse_settings(self.name, settings, refused, "are one decoder layer built on the target")
         if settings.loss == "accepted_length":
             raise DraftsmithError(
                 "eagle3 drafts score several unrolled steps per position, and accepted_length's windows assume one "

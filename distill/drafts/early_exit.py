@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
+from torch import Generator, nn
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -36,6 +36,7 @@ from draftsmith.distill.drafts.kind import (
     Serving,
     TargetParts,
     layer_count,
+    refuse_settings,
 )
 from draftsmith.specdec.attention import use_exact_attention
 from draftsmith.specdec.cache import SlotCache, select_batch
@@ -242,11 +243,7 @@ class SharedLayersDrafter:
         return self.read(tokens)
 
     def propose(
-        self,
-        sequences: list[list[int]],
-        budget: torch.Tensor,
-        options: DecodeOptions,
-        generator: torch.Generator | None,
+        self, sequences: list[list[int]], budget: torch.Tensor, options: DecodeOptions, generator: Generator | None
     ) -> Proposal:
         """Up to ``budget[0]`` tokens (``draft_chain``); ``reusable`` holds the layer-k states of
         ``[x_n, d_1 .. d_g]``."""
@@ -371,15 +368,8 @@ class EarlyExitKind(KindBase):
     def check(self, settings: DraftSettings) -> None:
         super().check(settings)
         layer_count(settings.layers, self.name)
-        refused = {
-            "draft.lora_r": (settings.lora_r, 0),
-            "draft.vocab": (settings.train_draft_vocab, 0),
-            "draft.config": (settings.config, {}),
-            "draft.model": (settings.model, None),
-        }
-        for name, (value, default) in refused.items():
-            if value != default:
-                raise DraftsmithError(f"early_exit drafts share the target's head and layers: leave out {name}")
+        refused = ("draft.lora_r", "draft.vocab", "draft.config", "draft.model")
+        refuse_settings(self.name, settings, refused, "share the target's head and layers")
         if settings.teacher_dtype not in ("auto", "float32"):
             raise DraftsmithError(
                 "early_exit drafts share the target's layers, which stay float32: set teacher.dtype to auto"

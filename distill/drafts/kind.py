@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +33,7 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.measure.hf_compare import configure_assistant
 from draftsmith.specdec.measure.report import PairReport
 from draftsmith.specdec.options import DecodeOptions
+from draftsmith.specdec.verify import TargetVerifier
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -268,16 +269,39 @@ class DraftKind(Protocol):
         ...
 
 
-def check_options(kind: str, options: dict, known: dict[str, type]) -> None:
-    """Refuse ``draft.options`` keys the kind does not have, or values of the wrong type, by name."""
-    for key, value in options.items():
+def check_options(kind: str, values: Mapping[str, object], known: Mapping[str, type], where: str, what: str) -> None:
+    """Refuse keys of ``values`` that ``known`` does not name, or values not of the type it gives, by name.
+
+    kind: the kind's name; where: where the values were given (``draft.options:``, ``--draft-option``);
+    what: what each key is (``an option``, ``a decode option``)."""
+    for key, value in values.items():
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             names = ", ".join(sorted(known)) or "none"
-            raise DraftsmithError(f"draft.options: {key!r} is not an option of {kind} drafts (known: {names}){hint}")
-        if not isinstance(value, known[key]) or (known[key] is int and isinstance(value, bool)):
-            raise DraftsmithError(f"draft.options: {key} must be a {known[key].__name__}, got {value!r}")
+            raise DraftsmithError(f"{where} {key!r} is not {what} of {kind} drafts (known: {names}){hint}")
+        wanted = known[key]
+        if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
+            raise DraftsmithError(f"{where} {key} must be a {wanted.__name__}, got {value!r}")
+
+
+# The draft settings a kind may not take (``refuse_settings``), by name: the DraftSettings field each one fills.
+SETTING_FIELDS = {
+    "draft.lora_r": "lora_r",
+    "draft.vocab": "train_draft_vocab",
+    "draft.config": "config",
+    "draft.model": "model",
+}
+
+
+def refuse_settings(kind: str, settings: DraftSettings, names: Sequence[str], why: str) -> None:
+    """Refuse the first of the settings ``names`` (keys of ``SETTING_FIELDS``) that is not left out:
+    ``{kind} drafts {why}: leave out {name}``."""
+    left_out = DraftSettings()
+    for name in names:
+        field_name = SETTING_FIELDS[name]
+        if getattr(settings, field_name) != getattr(left_out, field_name):
+            raise DraftsmithError(f"{kind} drafts {why}: leave out {name}")
 
 
 def layer_count(layers: str, kind: str) -> int:
@@ -386,6 +410,19 @@ class DraftModel(OwnParameters):
         """(verifier, drafter) for ``batch_size`` sequences of up to ``capacity`` tokens."""
         raise NotImplementedError(f"{type(self).__name__} does not build a decoding pair")
 
+    def feature_verifier(
+        self, target: PreTrainedModel, batch_size: int, capacity: int, options: DecodeOptions, layers: tuple[int, ...]
+    ) -> TargetVerifier:
+        """The whole target as verifier, handing the drafter its states entering ``layers`` (for a draft
+        that reads the target's hidden states); eager, and refused for another target's width or vocabulary."""
+        self.decodes_compiled(target, options)
+        if (target.config.hidden_size, target.config.vocab_size) != (self.config.hidden_size, self.config.vocab_size):
+            raise DraftsmithError(
+                f"{self.described_as} cannot decode with this target: it was made for another (hidden size or "
+                "vocabulary differ)"
+            )
+        return TargetVerifier.for_options(target, batch_size, capacity, options, feature_layers=layers)
+
 
 class KindBase:
     """``DraftKind`` with what most kinds do the same way; a kind subclasses it and overrides what differs.
@@ -407,7 +444,7 @@ class KindBase:
     cuts_head: bool = False
 
     def check(self, settings: DraftSettings) -> None:
-        check_options(self.name, settings.options, dict(self.option_types))
+        check_options(self.name, settings.options, self.option_types, "draft.options:", "an option")
 
     def teacher_dtype(self, settings: DraftSettings, resolved: torch.dtype) -> torch.dtype:
         return resolved
@@ -494,15 +531,8 @@ class KindBase:
         return lines + vllm_usage(target, self.engine_config(Path(draft_ref)), gamma)
 
     def check_decode_options(self, values: Mapping[str, object]) -> None:
-        for key, value in values.items():
-            if key not in self.decode_options:
-                names = ", ".join(sorted(self.decode_options)) or "none"
-                raise DraftsmithError(
-                    f"--draft-option {key}: not a decode option of {self.name} drafts (theirs: {names})"
-                )
-            wanted = self.decode_options[key].type
-            if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
-                raise DraftsmithError(f"--draft-option {key} must be a {wanted.__name__}, got {value!r}")
+        known = {key: option.type for key, option in self.decode_options.items()}
+        check_options(self.name, values, known, "--draft-option", "a decode option")
 
     def decoding_report(self, target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> dict:
         return {}

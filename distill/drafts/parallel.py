@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,21 +83,20 @@ from draftsmith.distill.drafts.kind import (
     Predictions,
     Serving,
     TargetParts,
+    refuse_settings,
     transformers_usage,
     vllm_usage,
 )
+from draftsmith.distill.drafts.one_forward import OneForwardDrafter
 from draftsmith.distill.losses import row_acceptance
 from draftsmith.specdec import draft_vocab
 from draftsmith.specdec.cache import default_cache_kind
 from draftsmith.specdec.compiled import make_stream, resolve_compile
-from draftsmith.specdec.drafters import Proposal, draft_chain, stack_proposal
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import eos_token_ids, load_model, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat
 from draftsmith.specdec.stream import Verification
-from draftsmith.specdec.tree import ROOT, TreeShape, reindex, top_nodes
-from draftsmith.specdec.tree_drafting import Tree
 from draftsmith.specdec.verify import TargetVerifier
 
 # draft.options: the mask token (required), the chain length trained, PARD's conditional drop, how the
@@ -223,29 +222,11 @@ class ParallelDraft(DraftModel):
         return options.tree is None and resolve_compile(options.compile, target)
 
 
-@dataclass
-class ParallelProposal(Proposal):
-    """A ``Proposal`` whose tokens all came from ``forwards`` draft forwards (1; 0 when none was drafted)."""
-
-    forwards: int = 1
-
-    @classmethod
-    def of(cls, proposal: Proposal, forwards: int = 1) -> ParallelProposal:
-        """``proposal`` (every field it has) as the work of ``forwards`` draft forwards."""
-        return cls(**{f.name: getattr(proposal, f.name) for f in fields(Proposal)}, forwards=forwards)
-
-    @property
-    def steps(self) -> int:
-        return self.forwards
-
-
-class ParallelDrafter:
+class ParallelDrafter(OneForwardDrafter):
     """A ``ParallelDraft`` as drafter (``specdec.drafters.Drafter``) on its own cache (``stream``).
 
     Its cache holds the committed tokens it has read, never a mask: each round reads the unread
-    committed tokens and K-1 masks in one forward, then crops the masks again (``draft_rows``)."""
-
-    takes_guesses = True  # rounds may verify lookup guesses: it takes the committed rows as they come
+    committed tokens and K-1 masks in one forward, then crops the masks again (``round_logits``)."""
 
     feature_layers: tuple[int, ...] = ()  # it reads nothing of the target's
 
@@ -259,7 +240,7 @@ class ParallelDrafter:
     def observe(self, verification: Verification, kept: torch.Tensor) -> None:
         """Nothing: a standalone LM reads only the committed tokens."""
 
-    def draft_rows(self, sequences: list[list[int]], reading: torch.Tensor, width: int) -> torch.Tensor:
+    def round_logits(self, sequences: list[list[int]], reading: torch.Tensor, width: int) -> torch.Tensor:
         """ONE draft forward over each reading sequence's unread committed tokens and ``width - 1``
         masks; logits (B, width, V): row 0 after x_n, row j after mask j. The masks leave the cache
         before returning, so it holds exactly the committed tokens read so far. reading (B,) bool:
@@ -276,69 +257,12 @@ class ParallelDrafter:
         self.stream.rollback(torch.tensor([len(seq) for seq in sequences], device=device))  # crop the masks
         return logits
 
-    def propose(
-        self,
-        sequences: list[list[int]],
-        budget: torch.Tensor,
-        options: DecodeOptions,
-        generator: torch.Generator | None,
-    ) -> ParallelProposal:
-        """Up to ``budget[b]`` tokens per sequence from one draft forward: token j drawn from q_j
-        (its argmax when drafting greedily). With a confidence threshold a chain stops after its
-        first token whose ``max q_j`` is below it (dynamic gamma)."""
-        width = int(budget.max())
-        if width == 0:  # no sequence may draft (each can emit only the target's next token)
-            proposal = stack_proposal([], [], torch.zeros_like(budget))
-            return ParallelProposal.of(proposal, forwards=0)
-        rows = iter(self.draft_rows(sequences, budget > 0, width).unbind(1))  # (B, V) each: q_1 .. q_width
-        proposal = draft_chain(lambda token, active: next(rows), budget, options, generator)
-        return ParallelProposal.of(proposal)
-
     def rollback(self, keep: torch.Tensor) -> None:
         """The cache holds only committed tokens, so nothing is dropped unless ``keep`` asks for it."""
         self.stream.rollback(keep)
 
     def select(self, rows: torch.Tensor) -> None:
         self.stream.select(rows)
-
-    def propose_tree(self, sequence: list[int], shape: TreeShape, max_depth: int) -> Tree:
-        """A tree of at most ``max_depth`` levels from one forward with ``max_depth - 1`` masks."""
-        if max_depth < 1:
-            return Tree()
-        logits = self.draft_rows([sequence], torch.tensor([True]), max_depth)[0]  # (D, V)
-        tree = tree_from_levels(logits.float().log_softmax(-1), shape)
-        tree.steps = 1
-        return tree
-
-    def commit_tree(self, tree: Tree, path: list[int]) -> None:
-        """Nothing: no node was fed to the draft; the accepted path is read next round."""
-
-
-def tree_from_levels(logprobs: torch.Tensor, shape: TreeShape) -> Tree:
-    """The token tree whose level d holds the top ``shape.branching[d]`` tokens of row d of
-    ``logprobs`` (D, V) below every node of level d-1 (or, for a dynamic shape, below the
-    ``shape.expand`` likeliest of them, keeping the ``shape.budget`` likeliest nodes overall)."""
-    tree = Tree()
-    frontier = [ROOT]
-    for depth in range(logprobs.shape[0]):
-        top = logprobs[depth].topk(shape.branching[depth])
-        level = []
-        for parent in frontier:
-            above = 0.0 if parent == ROOT else tree.path_logprob[parent]
-            for logprob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                tree.tokens.append(token)
-                tree.parents.append(parent)
-                tree.path_logprob.append(above + logprob)
-                level.append(len(tree.tokens) - 1)
-        frontier = level
-        if shape.budget:  # EAGLE-2: grow only below the likeliest frontier nodes
-            frontier = sorted(sorted(level, key=lambda i: -tree.path_logprob[i])[: shape.expand])
-    if shape.budget:
-        keep = top_nodes(tree.parents, tree.path_logprob, shape.budget)
-        tree.parents = reindex(tree.parents, keep)
-        tree.tokens = [tree.tokens[i] for i in keep]
-        tree.path_logprob = [tree.path_logprob[i] for i in keep]
-    return tree
 
 
 # ---- Training: mask chains (PARD), conditional drop, expected-accepted-length weights ---------------
@@ -612,8 +536,7 @@ class ParallelKind(KindBase):
             raise DraftsmithError(f"draft.options: chain_weights must be one of {named}, got {scheme!r}")
         if not 0 <= options["weight_floor"] <= 1:
             raise DraftsmithError(f"draft.options: weight_floor must be in [0, 1], got {options['weight_floor']}")
-        if settings.lora_r:
-            raise DraftsmithError("parallel drafts train the whole draft: leave out draft.lora_r")
+        refuse_settings(self.name, settings, ("draft.lora_r",), "train the whole draft")
         if settings.loss == "accepted_length":  # its windows run over consecutive rows, not over chain steps
             raise DraftsmithError(
                 "parallel drafts weight their chain steps for accepted length themselves; "

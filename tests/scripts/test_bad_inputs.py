@@ -370,7 +370,7 @@ CASES = [
     (
         "eval_run_draft_option_of_another_kind",
         [*EVAL_RUN, "--draft-option", "kv_reuse=false"],
-        "--draft-option kv_reuse: not a decode option of lm drafts (theirs: none)",
+        "--draft-option 'kv_reuse' is not a decode option of lm drafts (known: none)",
     ),
     ("eval_run_draft_option_without_value", [*EVAL_RUN, "--draft-option", "kv_reuse"], "takes KEY=VALUE"),
     ("eval_run_not_a_run", ["eval-run", "{folder}"], "a-folder is not a distillation run folder"),

@@ -100,12 +100,12 @@ def test_rounds_verify_lookup_guesses_unless_asked_not_to(pair, prompts, tmp_pat
     assert code == 0
     report = json.loads(out.read_text())
     assert report["greedy_match"] == 1.0 and report["guesses"] == 0
-    # by default: on in bfloat16 (a one-token step runs two rows anyway), off in float32
-    for dtype, on in (("bfloat16", True), ("float32", False)):
+    # by default as many as pay by the costs the pacer measures (how many is the machine's): exact in both dtypes
+    for dtype in ("bfloat16", "float32"):
         code, out = run_eval(pair, prompts, tmp_path, "--gamma", "2", "--max-new-tokens", "32", "--dtype", dtype)
         assert code == 0
         report = json.loads(out.read_text())
-        assert report["greedy_match"] == 1.0 and (report["guesses"] > 0) == on, dtype
+        assert report["greedy_match"] == 1.0 and report["guesses_accepted"] <= report["guesses"], dtype
 
 
 def test_matmul_form_is_chosen_recorded_and_keeps_greedy_output(pair, prompts, tmp_path, capsys):
@@ -191,11 +191,12 @@ def test_a_draft_option_is_checked_by_the_drafts_kind(pair, prompts, tmp_path, c
     code, _ = run_eval(pair, prompts, tmp_path, "--draft-option", "kv_reus=false", draft="early_exit:1")
     assert code == 2
     assert (
-        "--draft-option kv_reus: not a decode option of early_exit drafts (theirs: kv_reuse)" in capsys.readouterr().err
+        "--draft-option 'kv_reus' is not a decode option of early_exit drafts (known: kv_reuse); "
+        "did you mean 'kv_reuse'?" in capsys.readouterr().err
     )
     code, _ = run_eval(pair, prompts, tmp_path, "--draft-option", "kv_reuse=false")
     assert code == 2
-    assert "not a decode option of lm drafts (theirs: none)" in capsys.readouterr().err
+    assert "--draft-option 'kv_reuse' is not a decode option of lm drafts (known: none)" in capsys.readouterr().err
     code, _ = run_eval(pair, prompts, tmp_path, "--draft-option", "kv_reuse=3", draft="early_exit:1")
     assert code == 2
     assert "--draft-option kv_reuse must be a bool, got 3" in capsys.readouterr().err

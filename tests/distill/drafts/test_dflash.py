@@ -34,14 +34,24 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat
-from draftsmith.specdec.sampling import SamplingParams, accept_sampled
+from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.stream import Verification
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.specdec.vllm_client import complete_batch, read_spec_counters
 from draftsmith.specdec.vllm_server import ServeOptions, group_alive, serve
 from draftsmith.train.config import DistillConfig, config_path, load_config
 from draftsmith.train.loop import train
-from tests.helpers import assert_fits, sample_spec, sampled_fit, tiny_llama, tiny_tokenizer
+from tests.helpers import (
+    always_accept,
+    assert_fits,
+    correct_from_p,
+    fit_forward_kl,
+    named_tiny_llama,
+    sample_spec,
+    sampled_fit,
+    tiny_llama,
+    tiny_tokenizer,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -69,24 +79,12 @@ def fitted_draft(target, steps: int = 60, seed: int = 0, block_size: int = 6) ->
     settings = DraftSettings(kind="dflash", layers="1", options={"mask_token_id": MASK, "block_size": block_size})
     torch.manual_seed(seed)
     draft = KIND.build(settings, target, None, target.device)
-    optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        ids = torch.randint(2, MASK, (8, 20), generator=generator)
-        batch, teacher = teacher_batch(target, draft, ids)
-        predicted = KIND.training_forward(draft, draft, batch)
-        losses = row_losses("forward_kl", predicted.logits, teacher[predicted.teacher_rows])
-        loss = (losses * predicted.weights).sum() / len(batch.rows)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return draft.eval()
 
+    def next_batch():
+        return teacher_batch(target, draft, torch.randint(2, MASK, (8, 20), generator=generator))
 
-def named_tiny_llama(**fields):
-    model = tiny_llama(**fields)
-    model.name_or_path = "tests/tiny-llama"
-    return model
+    return fit_forward_kl(KIND, draft, next_batch, steps)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +136,7 @@ def test_block_position_k_computes_what_drafting_after_the_anchor_computes(targe
         drafter = DFlashDrafter(draft, 1, 32)
         states = {i: h[:, :anchor] for i, h in batch.teacher_hidden.items()}
         drafter.observe(Verification(torch.zeros(1, 1, 32), states), torch.ones(1, anchor, dtype=torch.bool))
-        drafted = drafter.block_logits(ids[:, anchor], width - 1)[0]
+        drafted = drafter.round_logits([ids[0, : anchor + 1].tolist()], torch.tensor([True]), width - 1)[0]
     assert torch.allclose(trained, drafted, atol=1e-5)
     assert torch.allclose(trained, moved, atol=1e-5)
 
@@ -235,15 +233,6 @@ def test_sampled_output_is_distributed_as_the_targets(small, params, gamma):
     a, b, stats = sample_spec(target, draft, params, gamma, seed=gamma)
     assert_fits(target, params, a, b)
     assert 0 < stats.accepted < stats.proposed
-
-
-def always_accept(tokens, q, p, counts, generator=None):
-    return counts.clone(), torch.multinomial(p[torch.arange(len(tokens)), counts], 1, generator=generator)[:, 0]
-
-
-def correct_from_p(tokens, q, p, counts, generator=None):
-    n_accepted, _ = accept_sampled(tokens, q, p, counts, generator)
-    return n_accepted, torch.multinomial(p[torch.arange(len(tokens)), n_accepted], 1, generator=generator)[:, 0]
 
 
 @pytest.mark.parametrize("control", ["always accept", "correct from p"])

@@ -36,15 +36,19 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.loading import DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat
-from draftsmith.specdec.sampling import SamplingParams, accept_sampled
+from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.specdec.vllm_client import complete_batch, read_spec_counters
 from draftsmith.specdec.vllm_server import ServeOptions, group_alive, serve
 from tests.helpers import (
     SAMPLING_PROMPTS,
+    always_accept,
     assert_fits,
     check_card_usage,
+    correct_from_p,
+    fit_forward_kl,
     fit_scores,
+    named_tiny_llama,
     sample_spec,
     sampled_fit,
     target_conditionals,
@@ -81,25 +85,12 @@ def fitted_head(target, vocab: list[int] | None = None, steps: int = 80, seed: i
     settings = DraftSettings(kind="eagle3", options={"aux_layers": AUX}, train_draft_vocab=len(vocab or []))
     torch.manual_seed(seed)
     head = KIND.build(settings, target, None, target.device)
-    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        ids = torch.randint(2, target.config.vocab_size, (16, 20), generator=generator)
-        batch, teacher = teacher_batch(target, ids, cut)
-        predicted = KIND.training_forward(head, head, batch)
-        losses = row_losses("forward_kl", predicted.logits, teacher[predicted.teacher_rows])
-        loss = (losses * predicted.weights).sum() / len(batch.rows)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return head.eval()
 
+    def next_batch():
+        return teacher_batch(target, torch.randint(2, target.config.vocab_size, (16, 20), generator=generator), cut)
 
-def named_tiny_llama(**fields):
-    """``tiny_llama`` with a name, as a loaded target has (the layout names the head's target)."""
-    model = tiny_llama(**fields)
-    model.name_or_path = "tests/tiny-llama"
-    return model
+    return fit_forward_kl(KIND, head, next_batch, steps)
 
 
 @pytest.fixture(scope="module")
@@ -286,15 +277,6 @@ def test_sampled_trees_are_distributed_as_the_targets(small):
     samples = torch.tensor(rows)
     scores = fit_scores(samples, target_conditionals(target, prompt, samples, params))
     assert max(scores.values()) < 4, scores
-
-
-def always_accept(tokens, q, p, counts, generator=None):
-    return counts.clone(), torch.multinomial(p[torch.arange(len(tokens)), counts], 1, generator=generator)[:, 0]
-
-
-def correct_from_p(tokens, q, p, counts, generator=None):
-    n_accepted, _ = accept_sampled(tokens, q, p, counts, generator)
-    return n_accepted, torch.multinomial(p[torch.arange(len(tokens)), n_accepted], 1, generator=generator)[:, 0]
 
 
 def reported(make_q):

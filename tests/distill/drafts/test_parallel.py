@@ -44,7 +44,7 @@ from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.theory import predicted_speedup
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt, encode_chat, read_prompts
-from draftsmith.specdec.sampling import SamplingParams, accept_sampled
+from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.stream import left_pad
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.specdec.vllm_client import complete_batch, read_spec_counters
@@ -53,8 +53,10 @@ from draftsmith.train.config import load_run_config
 from draftsmith.train.models import load_target
 from draftsmith.train.speedup import measure_draft
 from tests.helpers import (
+    always_accept,
     assert_fits,
     check_card_usage,
+    correct_from_p,
     fit_scores,
     noisy_copy,
     sample_spec,
@@ -205,14 +207,6 @@ def test_token_trees_are_greedy_identical_with_one_draft_forward_per_round(targe
         assert stats.rounds <= stats.draft_forwards <= stats.rounds + 1
 
 
-def test_a_tree_level_holds_the_top_k_of_its_mask_row_below_every_parent():
-    logprobs = torch.tensor([[0.0, -1.0, -3.0, -2.0], [-2.0, -4.0, 0.0, -1.0]])  # (D=2, V=4)
-    tree = parallel.tree_from_levels(logprobs, TreeShape((2, 2)))
-    assert tree.tokens == [0, 1, 2, 3, 2, 3]
-    assert tree.parents == [-1, -1, 0, 0, 1, 1]
-    assert tree.path_logprob == [0.0, -1.0, 0.0, -1.0, -1.0, -2.0]
-
-
 # ---- sampling is exact -----------------------------------------------------------------------------
 
 
@@ -268,11 +262,6 @@ def test_sampled_trees_follow_the_target(small):
     assert accepted > 0
 
 
-def always_accept(tokens, q, p, counts, generator=None):
-    rows = torch.arange(len(tokens))
-    return counts.clone(), torch.multinomial(p[rows, counts], 1, generator=generator)[:, 0]
-
-
 def raw_q(real_step):
     """The draft samples from its processed q but reports its raw softmax."""
 
@@ -281,12 +270,6 @@ def raw_q(real_step):
         return token, logits.float().softmax(-1), confident, confidence
 
     return step
-
-
-def correct_from_p(tokens, q, p, counts, generator=None):
-    """The acceptance test is right, but a rejection is corrected from p instead of the residual."""
-    n_accepted, _ = accept_sampled(tokens, q, p, counts, generator)
-    return n_accepted, torch.multinomial(p[torch.arange(len(tokens)), n_accepted], 1, generator=generator)[:, 0]
 
 
 @pytest.mark.parametrize("control", ["always accept", "correct from p", "raw q", "first row's q"])
