@@ -235,18 +235,8 @@ def setup(cfg: DistillConfig) -> Run:
     plan = budget.load_plan(run_dir) if cfg.optim.max_minutes is not None and resume_from is not None else None
     if plan is not None:  # a resumed run trains the steps it planned, whatever this machine's speed
         follow_plan(run, plan, record=False)
-    if cfg.optim.max_minutes is None:
-        run.bar = tqdm(
-            total=cfg.optim.max_steps, initial=run.step, desc="distill", disable=not accelerator.is_main_process
-        )
-    else:  # a budget counts minutes of training steps
-        run.bar = tqdm(
-            total=cfg.optim.max_minutes,
-            desc="distill",
-            unit="min",
-            bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]",
-            disable=not accelerator.is_main_process,
-        )
+    run.bar = progress_bar(cfg, run.step, accelerator.is_main_process)
+    if cfg.optim.max_minutes is not None:
         show_minutes(run)
     if cfg.log.report_to != "none":
         scalars = {k: v for k, v in flat_settings(cfg).items() if isinstance(v, (int, float, str, bool))}
@@ -254,6 +244,20 @@ def setup(cfg: DistillConfig) -> Run:
     run.window_start = run.started = time.perf_counter()
     run.start_step = run.step
     return run
+
+
+def progress_bar(cfg: DistillConfig, step: int, shown: bool) -> tqdm:
+    """The run's progress bar (drawn where ``shown``): optimizer steps from ``step``, or under a budget
+    (``optim.max_minutes``) minutes of training steps."""
+    if cfg.optim.max_minutes is None:
+        return tqdm(total=cfg.optim.max_steps, initial=step, desc="distill", disable=not shown)
+    return tqdm(
+        total=cfg.optim.max_minutes,
+        desc="distill",
+        unit="min",
+        bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]",
+        disable=not shown,
+    )
 
 
 @dataclass
