@@ -28,13 +28,13 @@ def main() -> None:
     prompts = prompt_ids(tokenizer, args.prompts)
     n = args.max_new_tokens
     for kind in CACHE_KINDS:  # warm-up
-        target_generate(target, prompts[:1], 8, eos_ids=eos, cache_kind=kind)
+        target_generate(target, prompts[:1], 8, DecodeOptions(cache_kind=kind), eos_ids=eos)
         speculative_generate(target, draft, prompts[:1], 8, options=DecodeOptions(cache_kind=kind), eos_ids=eos)
     tps = {f"{mode}/{kind}": [] for mode in ("target", "spec") for kind in CACHE_KINDS}
     for _ in range(args.repeats):
         for ids in prompts:
             for kind in CACHE_KINDS:
-                (out, _), dt = timed(target_generate, target, [ids], n, eos_ids=eos, cache_kind=kind)
+                (out, _), dt = timed(target_generate, target, [ids], n, DecodeOptions(cache_kind=kind), eos_ids=eos)
                 tps[f"target/{kind}"].append(len(out[0]) / dt)
                 options = DecodeOptions(gamma=4, cache_kind=kind)
                 (out, _), dt = timed(speculative_generate, target, draft, [ids], n, options=options, eos_ids=eos)

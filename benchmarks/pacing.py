@@ -14,10 +14,11 @@ seconds of CPU, what each pacing rule would do on those prompts: rounds paused, 
 time, and the speedup the cost model predicts. It is a model (it leaves out the decoder's per-round
 bookkeeping), so the part that counts is the timed one:
 
-``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced (rounds
-verifying lookup guesses, the default), paced with other numbers of guess tokens a round, paced
-without guesses, and with a pacer that never lets a sequence draft (guesses only), interleaved (each
-prompt runs them back to back, in a rotating order), greedy output checked against the target's. Per category
+``--time``: for each prompt and repeat, the target alone, the decoder unpaced, paced (lookup guesses
+where the pacer finds their rows paying, the default), paced verifying every guess found, paced with
+other numbers of guess tokens a round, paced without guesses, and with a pacer that never lets a
+sequence draft (guesses only), interleaved (each prompt runs them back to back, in a rotating
+order), greedy output checked against the target's. Per category
 and overall: the measured speedup of each, the median over repeats and its range.
 
     .venv/bin/python benchmarks/pacing.py --draft quickstart/draft --gamma 1 --time --repeats 3
@@ -121,46 +122,52 @@ def replay(
     """One sequence decoded by the chain rounds the ``pacer`` (None: never paused, no guesses)
     chooses, under the cost model: tokens, model time, rounds and paused rounds. ``pause``: a round
     without drafts, in target steps (1 for the plain one-row step, v for a row-exact one); with
-    ``guesses`` a round whose text repeats ``STRONG_NGRAM`` tokens or more verifies their continuation
-    instead of drafting, a paused round verifies any repeat's, and a drafting round the one after its
-    chain where that repeats (kept only where the whole chain was); each emits the guesses the target
-    keeps, within the answer's room, each verified guess costing ``row`` more. The answer's first
-    token comes with the prompt's forward, for the target alone as for the decoder, so the rounds
-    start at the second and the target's time is one step per later token."""
+    ``guesses`` the pacer chooses the lookup guesses of each round as the decoder's does (a lookup
+    round instead of drafting, guesses in a paused round, guesses after a chain, kept only where the
+    whole chain was), each guess row after the first of a paused round (which a row-exact step of one
+    sequence pads anyway) costing ``row`` more; the pacer is handed the forwards' costs by width, as
+    the decoder's clock times them. The answer's first token comes with the prompt's forward, for
+    the target alone as for the decoder, so the rounds start at the second and the target's time is
+    one step per later token."""
     agrees, sure, gained, offered = trace["agrees"], trace["confidence"], trace["gained"], trace["offered"]
     n, pos, spent, rounds, paused = len(agrees), 1, 0.0, 0, 0
     guessing = guesses and pacer is not None
     while pos < n:
         go = pacer.drafts([0])[0] if pacer is not None else True
-        looked_up = guessing and go and trace["repeat"][pos] >= STRONG_NGRAM  # verifies the repeat's continuation
-        g = min(gamma, n - pos - 1) if go and not looked_up else 0
+        room = n - pos - 1
+        found = min(offered[pos], room) if guessing else 0
+        strong = trace["repeat"][pos] >= STRONG_NGRAM
+        looked = pacer.lookup_guesses(0, found) if go and strong and found else 0  # instead of drafting
+        g = min(gamma, room) if go and not looked else 0
         rounds += 1
         if g == 0:
             paused += go is False
-            room = n - pos - 1
-            extra = min(gained[pos], room) if guessing else 0
-            # the first guess rides in the row a row-exact step of one sequence pads anyway
-            spent += pause + (row * max(min(offered[pos], room) - 1, 0) if guessing else 0.0)
+            tried = looked or (pacer.paused_guesses(0, found) if found else 0)
+            extra = min(gained[pos], tried)
+            forward = pause + row * max(tried - 1, 0)
+            spent += forward
             if pacer is not None:
-                pacer.record([0], torch.tensor([0]), torch.tensor([0]), 0.0, pause)
+                pacer.record([0], torch.tensor([0]), torch.tensor([0]), 0.0, forward, 1 + tried)
                 if guessing and room >= 1:
-                    pacer.record_guesses([0], [extra])
+                    pacer.record_guess(0, min(gained[pos], found), strong)
             pos += 1 + extra
             continue
         kept = 0
         while kept < g and agrees[pos + kept]:
             kept += 1
         # guesses after the chain where the text with it repeats itself (the target's text where all was kept)
-        end, room = pos + g, n - pos - g - 1
-        tried = min(offered[end], room) if guessing and end < n and trace["repeat"][end] >= STRONG_NGRAM else 0
-        after = min(gained[end], tried) if kept == g else 0
-        spent += c * g + v + row * tried
+        end, left = pos + g, n - pos - g - 1
+        after = min(offered[end], left) if guessing and end < n and trace["repeat"][end] >= STRONG_NGRAM else 0
+        tried = pacer.chain_guesses(0, g, after) if after else 0
+        extra = min(gained[end], tried) if kept == g else 0
+        forward = v + row * tried
+        spent += c * g + forward
         if pacer is not None:
             confidence = torch.tensor([sure[pos : pos + g]])
-            pacer.record([0], torch.tensor([g]), torch.tensor([kept]), c * g, v, confidence)
-            if guessing:  # the guesses made at the round's start, against the tokens it emitted
-                pacer.record_guesses([0], [min(gained[pos], kept + 1 + after)])
-        pos += kept + 1 + after
+            pacer.record([0], torch.tensor([g]), torch.tensor([kept]), c * g, forward, g + 1 + tried, confidence)
+            if guessing:  # the round-start continuation, against the tokens the answer has there
+                pacer.record_guess(0, min(gained[pos], found), strong)
+        pos += kept + 1 + extra
     return {"tokens": n - 1, "time": spent, "rounds": rounds, "paused": paused}
 
 
@@ -237,13 +244,13 @@ class NeverDrafts(Pacer):
 
 
 def timed(target, draft, prompts, categories, eos, args) -> dict:
-    """Target alone, unpaced decoding, paced decoding (with lookup guesses of ``--guess-tokens``), with
-    ``--guess-variants`` guess tokens, without guesses, and the decoder drafting never (guesses only),
-    interleaved per prompt and repeat (rotating order). Per category and repeat the ratio of tokens/s
-    (summed tokens over summed seconds: in bfloat16 the timed target, stepping one row, may end an
-    answer elsewhere than the row-exact output the decoder reproduces, so the answers' lengths can
-    differ); reported: the median over repeats and its range, as ``draftsmith eval`` does (one slow
-    minute of a shared machine moves one repeat, not the figure)."""
+    """Target alone, unpaced decoding, paced decoding (lookup guesses of ``--guess-tokens`` where they
+    pay, and every guess found), with ``--guess-variants`` guess tokens, without guesses, and the
+    decoder drafting never (guesses only), interleaved per prompt and repeat (rotating order). Per
+    category and repeat the ratio of tokens/s (summed tokens over summed seconds: in bfloat16 the
+    timed target, stepping one row, may end an answer elsewhere than the row-exact output the decoder
+    reproduces, so the answers' lengths can differ); reported: the median over repeats and its range,
+    as ``draftsmith eval`` does (one slow minute of a shared machine moves one repeat, not the figure)."""
     # seconds[category][name][repeat], and the tokens those seconds produced
     seconds = defaultdict(lambda: defaultdict(lambda: [0.0] * args.repeats))
     tokens = defaultdict(lambda: defaultdict(lambda: [0] * args.repeats))
@@ -254,14 +261,16 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
     paced = {"pace": True, "exact_pauses": args.exact_pauses}
     runs = {
         "unpaced": DecodeOptions(gamma=args.gamma, pace=False),
-        "paced": DecodeOptions(gamma=args.gamma, guesses=True, guess_tokens=args.guess_tokens, **paced),
+        # the decoder's default: guesses where the rows they add pay, as the pacer measures them
+        "paced": DecodeOptions(gamma=args.gamma, guess_tokens=args.guess_tokens, **paced),
+        "paced, every guess": DecodeOptions(gamma=args.gamma, guesses=True, guess_tokens=args.guess_tokens, **paced),
         **{
-            f"paced, {n} guess tokens": DecodeOptions(gamma=args.gamma, guesses=True, guess_tokens=n, **paced)
+            f"paced, {n} guess tokens": DecodeOptions(gamma=args.gamma, guess_tokens=n, **paced)
             for n in args.guess_variants
         },
         "paced, no guesses": DecodeOptions(gamma=args.gamma, guesses=False, **paced),
         # with the NeverDrafts pacer: guesses only
-        "never drafting": DecodeOptions(gamma=args.gamma, guesses=True, guess_tokens=args.guess_tokens, **paced),
+        "never drafting": DecodeOptions(gamma=args.gamma, guess_tokens=args.guess_tokens, **paced),
     }
     order = ["target", *runs]
     for options in runs.values():  # warm-up, not timed: a process's first decoding calls run slow
@@ -383,9 +392,9 @@ def main() -> None:
     pause = args.v if args.exact_pauses else 1.0
     replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None, pause)}
     for name, settings in VARIANTS.items():
-        make = lambda s=settings: Pacer(args.gamma, 1, s)  # noqa: E731
+        make = lambda s=settings: Pacer(args.gamma, 1, s, args.guess_tokens)  # noqa: E731
         replayed[name] = replay_all(traces, args.gamma, args.c, args.v, make, pause, row=args.row)
-    make = lambda: Pacer(args.gamma, 1, PaceSettings())  # noqa: E731
+    make = lambda: Pacer(args.gamma, 1, PaceSettings(), args.guess_tokens)  # noqa: E731
     replayed["pacer, no guesses"] = replay_all(traces, args.gamma, args.c, args.v, make, pause, guesses=False)
     for name, by_category in replayed.items():
         cells = (f"{k} {r['speedup']:.3f} ({r['paused_share']:.2f})" for k, r in by_category.items())

@@ -66,13 +66,13 @@ def measure(target, draft, prompts, *, gamma: int, max_new_tokens: int, repeats:
     options = DecodeOptions(gamma=gamma, compile=compiled)
     start = time.perf_counter()
     for prompt in prompts[:1]:
-        target_generate(target, [prompt], max_new_tokens, compile=compiled)
+        target_generate(target, [prompt], max_new_tokens, options)
         speculative_generate(target, draft, [prompt], max_new_tokens, options=options)
     warm_up = time.perf_counter() - start
     base, spec, identical = Tally(), Tally(), []
     for _ in range(repeats):
         for prompt in prompts:
-            expected, stats = target_generate(target, [prompt], max_new_tokens, compile=compiled)
+            expected, stats = target_generate(target, [prompt], max_new_tokens, options)
             base.add(stats)
             out, stats = speculative_generate(target, draft, [prompt], max_new_tokens, options=options)
             spec.add(stats)

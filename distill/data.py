@@ -28,6 +28,7 @@ from draftsmith.distill.dataset_card import missing_manifest
 from draftsmith.specdec.decoder import target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.files import atomic_path
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import encode_chat, parse_prompt_row
 from draftsmith.specdec.sampling import SamplingParams
 
@@ -252,9 +253,8 @@ def generate_responses(
     for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not progress, unit="batch"):
         chunk = order[start : start + batch_size]
         batch = [prompts[i] for i in chunk]
-        outs, _ = target_generate(
-            model, batch, answering.max_new_tokens, answering.sampling, answering.eos_ids, generator
-        )
+        options = DecodeOptions(sampling=answering.sampling)
+        outs, _ = target_generate(model, batch, answering.max_new_tokens, options, answering.eos_ids, generator)
         for i, out in zip(chunk, outs, strict=True):
             answers[i] = out
     return answers

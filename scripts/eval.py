@@ -143,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sequence's latest n-gram earlier in its prompt or answer (prompt lookup): where its last tokens repeat, "
         "their continuation instead of a draft; a paused round in the row a row-exact pause pads anyway and "
         "after it; a drafting round after the draft's chain; the pacer weighs what they gain against the draft "
-        "(default: on where a one-token step already multiplies two rows or columns: bfloat16 and float16, and "
-        "float32 in the column form of --matmul; off with float32 linear, where a CPU verifies 2 tokens in "
-        "1.3-1.6 steps' time; exact either way)",
+        "(default: each round verifies as many as pay by the cost of a verification row the pacer measures in the "
+        "run, many where a row costs little beside a step, none where it costs much; --guesses verifies every one "
+        "found; exact either way)",
     )
     p.add_argument(
         "--guess-tokens",

@@ -215,11 +215,14 @@ class SlotTracker:
         keep = torch.minimum(keep, self.pos)  # a sequence never holds more than it was fed
         self.slot_pos[self.slot_pos >= keep[:, None]] = -1
         self.pos = keep
-        live_cols = (self.slot_pos[:, : self.length] >= 0).any(0).nonzero()
-        new_length = int(live_cols[-1]) + 1 if live_cols.numel() else 0
+        live = self.slot_pos[:, : self.length] >= 0  # (B, L)
+        slots = torch.arange(1, self.length + 1, device=live.device)
+        new_length = (live.any(0) * slots).max() if self.length else slots.sum()  # the last live slot's, plus one
+        holes = (~live & (slots <= new_length)).any()
+        new_length, holes = torch.stack([new_length, holes.long()]).tolist()  # one read into Python
         dropped = self.length - new_length
         self.length = new_length
-        self.holes = bool((self.slot_pos[:, :new_length] < 0).any())
+        self.holes = bool(holes)
         return dropped
 
     def select(self, indices: torch.Tensor) -> None:

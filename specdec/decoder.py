@@ -38,11 +38,10 @@ from draftsmith.specdec.compiled import make_stream, resolve_compile
 from draftsmith.specdec.drafters import Drafter, LMDrafter, PairedDraft, Proposal
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.lookup import STRONG_NGRAM, lookup_continuation, with_guesses
-from draftsmith.specdec.matmul import uses_column_products
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
-from draftsmith.specdec.sampling import SamplingParams, choose_token
-from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad, needs_row_padding
+from draftsmith.specdec.sampling import choose_token
+from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad
 from draftsmith.specdec.tree_drafting import accept_tree, kept_rows
 from draftsmith.specdec.verify import TargetVerifier, Verifier, accept, verification_inputs
 
@@ -165,16 +164,16 @@ def target_generate(
     target: PreTrainedModel,
     prompts: list[list[int]],
     max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
+    options: DecodeOptions = DecodeOptions(),
     eos_ids: set[int] | frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
-    cache_kind: str | None = None,
-    compile: bool | None = None,
     row_exact: bool = False,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Plain KV-cached autoregressive decoding: the baseline every speedup is measured against.
 
-    compile: single-token steps as compiled graphs (``compiled``), as ``DecodeOptions.compile``.
+    options: what plain decoding shares with the speculative run it is compared with: its
+        ``sampling``, ``cache_kind`` and ``compile`` (single-token steps as compiled graphs,
+        ``compiled``); the drafting settings are not read.
     row_exact: compute each step as the speculative decoder's forwards compute it (``stream``: one
         sequence's one-token step as two rows in 16-bit dtypes), so that the output is the one it
         reproduces bit for bit. Off, a step of one sequence runs one row, the fastest plain decoding
@@ -188,8 +187,8 @@ def target_generate(
     out = Outputs(prompts, max_new_tokens, eos_ids)
     tokens, valid = left_pad(prompts, device)
     capacity = tokens.shape[1] + max_new_tokens + 1
-    kind = cache_kind or default_cache_kind(device)
-    compiled = resolve_compile(compile, target)
+    kind = options.cache_kind or default_cache_kind(device)
+    compiled = resolve_compile(options.compile, target)
     stream = make_stream(target, batch, capacity, kind, role="target", compiled=compiled, row_exact=row_exact)
     with decoding_threads(target):
         logits = stream.forward(tokens, valid, logits_to_keep=1)[:, -1]
@@ -197,7 +196,7 @@ def target_generate(
         stats.prefill_time += clock.lap()
         live = list(range(batch))  # the sequence in each row of the batch
         while True:
-            for row, token in enumerate(choose_token(logits, sampling, generator).tolist()):
+            for row, token in enumerate(choose_token(logits, options.sampling, generator).tolist()):
                 stats.new_tokens += out.emit(live[row], [token])
             stats.other_time += clock.lap()
             live = _drop_finished(out, live, [stream], device)
@@ -252,8 +251,12 @@ def speculative_generate(
         stats.prefill_time += clock.lap()
 
         live = list(range(batch))  # the sequence in each row of the models' batches
-        pacer = Pacer(options.gamma, batch, options.pace_settings) if options.pace and options.tree is None else None
-        progress = Progress(out, stats, clock, generator, device, pacer, verifies_guesses(target, drafter, options))
+        guessing = verifies_guesses(drafter, options)
+        pacer = None
+        if options.pace and options.tree is None:
+            most = options.guess_tokens if guessing else 0
+            pacer = Pacer(options.gamma, batch, options.pace_settings, most, forced=options.guesses is True)
+        progress = Progress(out, stats, clock, generator, device, pacer, guessing)
         while live := _drop_finished(out, live, [verifier, drafter], device):
             if options.tree is not None:  # the same four steps over a token tree (tree_drafting)
                 _tree_round(progress, verifier, drafter, options)
@@ -278,13 +281,11 @@ class Progress:
     guessing: bool = False  # rounds verify lookup guesses (``takes_guesses``)
 
 
-def verifies_guesses(target: PreTrainedModel, drafter: Drafter, options: DecodeOptions) -> bool:
-    """Whether paced rounds verify lookup guesses (``lookup``): ``options.guesses``, by default where
-    the target's one-token step already multiplies two rows (16-bit dtypes, ``stream``) or two
-    columns (float32 in the column form, ``matmul``), with row-exact pauses, for a drafter that
-    takes them."""
-    default = needs_row_padding(target) or uses_column_products(target)
-    wanted = default if options.guesses is None else options.guesses
+def verifies_guesses(drafter: Drafter, options: DecodeOptions) -> bool:
+    """Whether paced rounds may verify lookup guesses (``lookup``): unless ``options.guesses`` is
+    False, with row-exact pauses, for a drafter that takes them. How many a round verifies is the
+    pacer's choice from the costs it measures (``pacing``), or every guess found with ``guesses=True``."""
+    wanted = options.guesses is not False
     return wanted and options.pace and options.exact_pauses and getattr(drafter, "takes_guesses", False)
 
 
@@ -293,25 +294,25 @@ def _chain_round(
 ) -> None:
     """One round for the ``live`` sequences (one per batch row): draft, verify, accept, commit."""
     out, stats, clock, generator = progress.out, progress.stats, progress.clock, progress.generator
-    device = progress.device
+    device, pacer = progress.device, progress.pacer
     # 1. Draft: up to gamma tokens each, never past max_new_tokens (a round emits n + 1); nothing
     #    for a sequence the pacer pauses (its round is a plain target step), nor for one whose last
-    #    tokens repeat earlier text (it verifies their continuation instead: ``lookup``).
-    drafts = progress.pacer.drafts(live) if progress.pacer is not None else [True] * len(live)
+    #    tokens repeat earlier text where verifying their continuation pays better (``lookup``).
+    drafts = pacer.drafts(live) if pacer is not None else [True] * len(live)
     stats.paused += drafts.count(False)
-    found = None
+    found = instead = None
     if progress.guessing:  # paced chains only (``verifies_guesses``): the pacer weighs the guesses
         found = [_continuation(out, seq, options.guess_tokens) for seq in live]
-        looked_up = [go and f is not None and f[1] >= STRONG_NGRAM for go, f in zip(drafts, found, strict=True)]
-        stats.lookup_rounds += looked_up.count(True)
-        drafts = [go and not lookup for go, lookup in zip(drafts, looked_up, strict=True)]
+        still, instead = _start_guesses(pacer, live, drafts, found)
+        stats.lookup_rounds += sum(go and not now for go, now in zip(drafts, still, strict=True))
+        drafts = still
     budget = [min(options.gamma, out.remaining(seq) - 1) if go else 0 for seq, go in zip(live, drafts, strict=True)]
     budget = torch.tensor(budget, device=device)
     proposal = drafter.propose([out.sequences[seq] for seq in live], budget, options, generator)
     stats.draft_forwards += (steps := proposal.steps)
     drafted = proposal.counts
-    if found is not None:
-        proposal = _add_guesses(out, live, proposal, drafts, found, options.guess_tokens)
+    if instead is not None:
+        proposal = _add_guesses(out, pacer, live, proposal, drafts, instead, options.guess_tokens)
     draft_s = clock.lap()
     if steps:
         stats.draft_time += draft_s
@@ -328,20 +329,20 @@ def _chain_round(
 
     # 3. Accept a prefix of each proposal, then one token from the target after it.
     n_accepted, next_token = accept(proposal, verification.logits, options.sampling, generator)
-    if progress.pacer is not None:
+    if pacer is not None:
         kept = torch.minimum(n_accepted, drafted)  # the draft's tokens kept; guesses after them are not its
-        progress.pacer.record(live, drafted, kept, draft_s, verify_s, proposal.confidence)
-        if found is not None:  # what each round-start continuation would have gained, drafting or not
-            rows = zip(proposal.tokens.tolist(), n_accepted.tolist(), next_token.tolist(), strict=True)
-            emitted = [row[:n] + [token] for row, n, token in rows]
-            gained = [None if f is None else _common_prefix(f[0], e) for f, e in zip(found, emitted, strict=True)]
-            progress.pacer.record_guesses(live, gained)
+        pacer.record(live, drafted, kept, draft_s, verify_s, inputs.shape[1], proposal.confidence)
 
     # 4. Commit: the drafter sees what verification produced for the committed rows (x_n and the
     #    accepted drafts); emit, then roll both caches back to the committed tokens except the
     #    newest (the next round's x_n, which no cache has read).
     drafter.observe(verification, torch.arange(inputs.shape[1], device=device)[None, :] <= n_accepted[:, None])
+    if found is not None:  # each continuation, to be held against the tokens committed after it
+        _note_continuations(out, pacer, live, found)
     _emit_round(out, stats, live, proposal, n_accepted, next_token, drafted)
+    if found is not None:
+        for seq in live:
+            pacer.settle(seq, out.sequences[seq], out.done[seq])
     keep = torch.tensor([len(out.sequences[seq]) - 1 for seq in live], device=device)
     verifier.rollback(keep)
     drafter.rollback(keep)
@@ -356,40 +357,57 @@ def _continuation(out: Outputs, seq: int, most: int) -> tuple[list[int], int] | 
     return lookup_continuation(out.sequences[seq], min(most, room)) if room >= 1 else None
 
 
+def _note_continuations(out: Outputs, pacer: Pacer, live: list[int], found: list[tuple[list[int], int] | None]) -> None:
+    """Hand the pacer each row's round-start continuation (``Pacer.note``), verified or not."""
+    for seq, start in zip(live, found, strict=True):
+        if start is not None:
+            pacer.note(seq, len(out.sequences[seq]), start[0], start[1] >= STRONG_NGRAM)
+
+
+def _start_guesses(
+    pacer: Pacer, live: list[int], drafts: list[bool], found: list[tuple[list[int], int] | None]
+) -> tuple[list[bool], list[list[int]]]:
+    """Per row: whether it drafts after all, and the lookup guesses it verifies in place of a draft:
+    a paused row, the first ``Pacer.paused_guesses`` of its continuation ``found``; a drafting row
+    whose continuation follows a repeat of ``STRONG_NGRAM`` tokens or more, the first
+    ``Pacer.lookup_guesses`` of it instead of drafting (a lookup round), where that pays better."""
+    still, instead = [], []
+    for seq, go, start in zip(live, drafts, found, strict=True):
+        tokens, repeat = start if start is not None else ([], 0)
+        if not go:
+            guesses = tokens[: pacer.paused_guesses(seq, len(tokens))]
+        elif repeat >= STRONG_NGRAM:
+            guesses = tokens[: pacer.lookup_guesses(seq, len(tokens))]
+        else:
+            guesses = []
+        still.append(go and not guesses)
+        instead.append(guesses)
+    return still, instead
+
+
 def _add_guesses(
     out: Outputs,
+    pacer: Pacer,
     live: list[int],
     proposal: Proposal,
     drafts: list[bool],
-    found: list[tuple[list[int], int] | None],
+    instead: list[list[int]],
     most: int,
 ) -> Proposal:
     """``proposal`` with lookup guesses (``lookup``) after each row's proposed tokens: a row that did
-    not draft verifies its continuation ``found`` (a paused row, or a lookup round); a drafting row,
-    the continuation of its text and drafted chain where that repeats ``STRONG_NGRAM`` tokens or
-    more, at most ``most`` tokens and never past the row's room."""
+    not draft verifies ``instead``; a drafting row, the continuation of its text and drafted chain
+    where that repeats ``STRONG_NGRAM`` tokens or more, as many tokens as ``Pacer.chain_guesses``
+    finds paying, at most ``most`` and never past the row's room."""
     counts, drafted = proposal.counts.tolist(), proposal.tokens.tolist()
     added = []
-    for row, (seq, go, start) in enumerate(zip(live, drafts, found, strict=True)):
+    for row, (seq, go, guesses) in enumerate(zip(live, drafts, instead, strict=True)):
         left = min(most, out.remaining(seq) - 1 - counts[row])
-        if not go:
-            added.append(start[0] if start is not None else [])
-        elif left >= 1:
-            after, repeat = lookup_continuation(out.sequences[seq] + drafted[row][: counts[row]], left)
-            added.append(after if repeat >= STRONG_NGRAM else [])
-        else:
-            added.append([])
+        if not go or left < 1:
+            added.append(guesses)
+            continue
+        after, repeat = lookup_continuation(out.sequences[seq] + drafted[row][: counts[row]], left)
+        added.append(after[: pacer.chain_guesses(seq, counts[row], len(after))] if repeat >= STRONG_NGRAM else [])
     return with_guesses(proposal, added)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def decodes_compiled(target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> bool:
@@ -489,20 +507,21 @@ def _emit_round(
     """Emit each sequence's accepted tokens and the target's token after them, and count them.
     ``drafted_counts`` (B,): the tokens the draft proposed; those a row holds beyond them are lookup
     guesses (counted apart: alpha is the draft's)."""
-    accepted, offered, proposed = n_accepted.tolist(), proposal.counts.tolist(), drafted_counts.tolist()
-    tokens, following = proposal.tokens.tolist(), next_token.tolist()
-    for row, seq in enumerate(live):
-        kept = out.emit(seq, tokens[row][: accepted[row]] + [following[row]])
+    # one read of the round's numbers into Python (each read waits for the device)
+    columns = [n_accepted, proposal.counts, drafted_counts, next_token]
+    rows = torch.cat([column[:, None] for column in columns] + [proposal.tokens], 1).tolist()
+    for seq, (accepted, offered, proposed, following, *tokens) in zip(live, rows, strict=True):
+        kept = out.emit(seq, tokens[:accepted] + [following])
         stats.new_tokens += kept
         stats.round_tokens += kept
-        drafts = min(accepted[row], proposed[row])
-        stats.guesses += offered[row] - proposed[row]
-        stats.guesses_accepted += accepted[row] - drafts
-        stats.proposed += proposed[row]
+        drafts = min(accepted, proposed)
+        stats.guesses += offered - proposed
+        stats.guesses_accepted += accepted - drafts
+        stats.proposed += proposed
         stats.accepted += drafts
-        stats.seq_proposed[seq] += proposed[row]
+        stats.seq_proposed[seq] += proposed
         stats.seq_accepted[seq] += drafts
-        if proposed[row]:
-            stats.round_counts.append((proposed[row], drafts))
+        if proposed:
+            stats.round_counts.append((proposed, drafts))
     stats.rounds += 1
     stats.seq_rounds += len(live)

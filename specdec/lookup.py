@@ -58,12 +58,6 @@ def lookup_continuation(sequence: list[int], length: int, max_ngram: int = MAX_N
     return [], 0
 
 
-def lookup_guess(sequence: list[int], max_ngram: int = MAX_NGRAM) -> int | None:
-    """The first token of ``lookup_continuation``; None when nothing repeats."""
-    found, _ = lookup_continuation(sequence, 1, max_ngram)
-    return found[0] if found else None
-
-
 def with_guesses(proposal: Proposal, guesses: list[list[int]]) -> Proposal:
     """``proposal`` with ``guesses[b]`` appended after row b's proposed tokens, q one-hot on each
     guess where the proposal carries q (its confidence, the draft's, is padded with zeros)."""

@@ -44,17 +44,16 @@ class DecodeOptions:
         steps, whose logits differ in the last bit in 16-bit dtypes: a near-tie can be decided as
         neither plain decoding nor the row-exact target decides it. Only one-sequence batches and 16-bit dtypes differ;
         unpaced rounds are row-exact.
-    guesses: with ``pace`` and ``exact_pauses``, a round also verifies lookup guesses (``lookup``: the
+    guesses: with ``pace`` and ``exact_pauses``, rounds may also verify lookup guesses (``lookup``: the
         tokens that followed the sequence's latest n-gram earlier in its prompt or answer), for
-        drafters that take them (``takes_guesses``): a paused round in the row it pads anyway and
-        after it, a drafting round after the draft's chain. Where they are the target's tokens the
-        round emits them too. Exact either way (plain one-row pauses take none). None (the default):
-        where the target's one-token step already multiplies two rows or columns, so a few more
-        cost little: 16-bit dtypes (``stream.needs_row_padding``) and float32 in the column form
-        (``matmul``; there the quickstart's draft measured 1.14x of the target's speed with guesses,
-        1.06x without, on an AVX-512 EPYC). Not with torch's float32 ``linear``, where a CPU verifies
-        2 tokens in 1.3-1.6 one-token steps and a paused round that verifies a copy costs more than
-        it brings (0.92x with guesses, 0.96x without).
+        drafters that take them (``takes_guesses``): a paused round after ``x_n``, a lookup round in
+        place of the draft where the last two tokens or more repeat, a drafting round after the
+        draft's chain. Where they are the target's tokens the round emits them too. Exact either way
+        (plain one-row pauses take none). None (the default): each round verifies the number of
+        guesses that emits the most tokens per second by the costs the pacer measures in the call
+        (a verification forward's seconds for each number of rows, ``pacing``), and the share of
+        them the target has kept: many where a row costs little beside a step, none where it costs
+        much. True: every guess found, whatever it costs; False: none.
     guess_tokens: the most lookup tokens a round verifies with ``guesses`` (each costs a row of the
         verification).
     compile: run the decoding steps of both models as compiled graphs over static caches

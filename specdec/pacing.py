@@ -1,30 +1,42 @@
-"""Pacing: a sequence stops drafting while drafting does not pay for it, and tries again now and then.
+"""Pacing: a sequence stops drafting while drafting does not pay for it, and tries again now and then;
+and a round verifies lookup guesses only where the rows they add pay for themselves.
 
 A round with drafting emits ``tau = (1 - a^(g+1)) / (1 - a)`` tokens on average for per-position
 acceptance ``a`` (Leviathan et al. 2023, Theorem 3.8) and costs the draft's forwards plus one
 verification over ``g + 1`` tokens; a round without drafting is a plain target step that emits one
-token. Drafting pays while ``tau * t_step > t_draft + t_verify``. Where the draft seldom agrees with
-the target (a language its head barely holds, a kind of text it never saw), the speculative decoder
-would otherwise run slower than the target alone.
+token. Drafting pays while it emits more tokens per second than the plain round. Where the draft
+seldom agrees with the target (a language its head barely holds, a kind of text it never saw), the
+speculative decoder would otherwise run slower than the target alone.
 
 The pacer estimates each term from what the decoder sees in the call being decoded: ``a`` per
 sequence from its accepted counts (slowly decayed, so that it follows the text, and started from a
 prior centred on the draft's own probability of its tokens, so that a few rejections by chance do
 not pause a draft that pays and a draft unsure of everything it proposes is paused at once), and
-the three times as moving averages of the round loop's own clock laps. A paused sequence proposes
-nothing (budget 0): its round steps the target on ``[x_n]`` alone (row-exact, as a verification
-steps it, unless ``DecodeOptions.exact_pauses`` is off) and emits the target's token, which is exact for greedy and
+the times as moving averages of the round loop's own clock laps: the seconds from one verification
+to the next in rounds that drafted (the draft's forwards and the loop's bookkeeping) and in rounds
+that did not (the bookkeeping), and the seconds of a verification forward for each number of input
+rows it carried (``Pacer.forward``). A paused sequence proposes nothing (budget 0): its round steps
+the target on ``[x_n]`` alone (row-exact, as a verification steps it, unless
+``DecodeOptions.exact_pauses`` is off) and emits the target's token, which is exact for greedy and
 sampled decoding alike (there is no draft token to accept or reject). Every ``probe_every`` paused
 rounds it drafts one round again, so a sequence whose text turns predictable resumes. The drafter
 reads the tokens of the paused rounds when it next drafts, as it reads x_n in any round.
 
-With lookup guesses (``DecodeOptions.guesses``, ``lookup``) a paused round also verifies up to
-``guess_tokens`` tokens copied from the sequence itself and emits ``1 + h`` tokens on average, ``h``
-the guess tokens the target kept per round (measured in every round, drafting or not, against the
-tokens the round emitted, so it is known before the sequence is ever paused); a drafting round
-verifies such a copy after its chain, which counts where the whole chain was accepted. Drafting then
-pays while ``(tau + a^g h) * t_step > (1 + h) * (t_draft + t_verify)``: where the text repeats
-itself more often than the draft agrees with the target, the guesses win.
+Lookup guesses (``DecodeOptions.guesses``, ``lookup``): a round may verify up to ``guess_tokens``
+tokens copied from the sequence itself: in a paused round after ``x_n``, instead of a draft where the
+sequence's last two tokens or more repeat earlier text (a lookup round), or after a drafted chain. A
+guess costs a row of the verification forward, and what a row costs is the machine's: on one CPU a
+verification of two rows costs what one row does, on another 1.4 of it. So the pacer prices guesses
+from the forwards it timed: ``k`` guesses after ``r`` rows cost ``forward(r + k) - forward(r)``
+(widths never timed are interpolated between timed ones, or extrapolated along the two widest), and
+gain the tokens the target keeps of them, learned per sequence from every round's continuation
+against the tokens then committed after it (verified or not: the target's tokens are the same
+either way), per position, decayed as the acceptance counts are. A round verifies the number of
+guesses (0 included) that emits the most tokens per second, so rows that cost little carry guesses
+even where few are kept, and rows that cost much carry them only where the text repeats itself
+(``DecodeOptions.guesses=True`` verifies every guess found, ``False`` none). A paused round's guesses
+also weigh in whether drafting pays: where the text repeats itself more often than the draft agrees
+with the target, the guesses win.
 """
 
 from __future__ import annotations
@@ -118,25 +130,56 @@ class PaceSettings:
 
 
 @dataclass
+class GuessGain:
+    """How many of a round's lookup-guess tokens the target keeps: per position j, the decayed count
+    of rounds whose first j guesses were all the target's tokens (``hits[j - 1]``), over the decayed
+    count of rounds that looked a continuation up (``seen``)."""
+
+    hits: list[float]
+    seen: float = 0.0
+
+    @classmethod
+    def empty(cls, most: int) -> GuessGain:
+        return cls([0.0] * most)
+
+    def record(self, kept: int, decay: float) -> None:
+        """A round whose first ``kept`` guesses were the target's tokens."""
+        self.hits = [decay * hit + (kept > j) for j, hit in enumerate(self.hits)]
+        self.seen = decay * self.seen + 1.0
+
+    def tokens(self, guesses: int, misses: float) -> float:
+        """Guess tokens the target keeps on average of the first ``guesses`` of a round, with
+        ``misses`` phantom rounds that kept none (0 until a round is recorded)."""
+        seen = self.seen + misses
+        return sum(self.hits[:guesses]) / seen if seen else 0.0
+
+
+@dataclass
 class Pacer:
-    """Which sequences of one decoding call draft in the next round: ``gamma`` draft tokens per
-    drafting round, ``batch_size`` sequences, deciding as ``settings`` say."""
+    """Which sequences of one decoding call draft in the next round, and how many lookup guesses each
+    round verifies: ``gamma`` draft tokens per drafting round, ``batch_size`` sequences, deciding as
+    ``settings`` say; ``guess_tokens``: the most guess tokens a round verifies (0: none);
+    ``forced``: verify every guess found, whatever the rows cost (``DecodeOptions.guesses=True``)."""
 
     gamma: int
     batch_size: int
     settings: PaceSettings = PaceSettings()
+    guess_tokens: int = 0
+    forced: bool = False
     accepted: list[float] = field(init=False)  # decayed accepted draft tokens, per sequence
     rejected: list[float] = field(init=False)  # decayed rejections, per sequence
     paused_for: list[int] = field(init=False)  # paused rounds in a row, per sequence
     probes: list[int] = field(init=False)  # probe rounds in a row after which drafting still did not pay
     sure: list[float] = field(init=False)  # decayed sum of the draft's probability of its verified tokens
     judged: list[float] = field(init=False)  # decayed count of those tokens
-    guess_hits: list[float] = field(init=False)  # decayed lookup-guess tokens the target would keep, per round
-    guess_seen: list[float] = field(init=False)  # decayed rounds with room for a guess
+    gains: list[GuessGain] = field(init=False)  # per sequence: every round's continuation
+    strong_gains: list[GuessGain] = field(init=False)  # per sequence: continuations of a repeat of 2 tokens or more
+    # per sequence: (committed tokens, continuation, strong) of rounds whose continuation is not yet settled
+    pending: list[list[tuple[int, list[int], bool]]] = field(init=False)
     resuming: bool = field(init=False, default=False)  # a sequence drafts this round after paused rounds
-    draft_s: Average = field(default_factory=Average)  # seconds of drafting, per drafting round
-    verify_s: Average = field(default_factory=Average)  # seconds of a verification with drafts
-    step_s: Average = field(default_factory=Average)  # seconds of a verification of [x_n] alone
+    draft_s: Average = field(default_factory=Average)  # seconds to the verification, in rounds that drafted
+    idle_s: Average = field(default_factory=Average)  # the same, in rounds where no sequence drafted
+    forward_s: dict[int, Average] = field(default_factory=dict)  # a verification forward's seconds, by its rows
 
     def __post_init__(self) -> None:
         self.accepted = [0.0] * self.batch_size
@@ -145,8 +188,9 @@ class Pacer:
         self.probes = [0] * self.batch_size
         self.sure = [0.0] * self.batch_size
         self.judged = [0.0] * self.batch_size
-        self.guess_hits = [0.0] * self.batch_size
-        self.guess_seen = [0.0] * self.batch_size
+        self.gains = [GuessGain.empty(self.guess_tokens) for _ in range(self.batch_size)]
+        self.strong_gains = [GuessGain.empty(self.guess_tokens) for _ in range(self.batch_size)]
+        self.pending = [[] for _ in range(self.batch_size)]
 
     def prior(self, seq: int) -> tuple[float, float]:
         """The (accepted, rejected) counts ``seq``'s estimate starts from: the fixed prior, or with
@@ -166,36 +210,121 @@ class Pacer:
         seen = accepted + self.rejected[seq] + prior[1]
         return accepted / seen if seen else 1.0
 
-    def guess_gain(self, seq: int) -> float:
-        """The lookup-guess tokens a round of ``seq`` gains on average (kept by the target), with
-        ``guess_misses`` phantom rounds that gained none (0 until guesses are recorded)."""
-        seen = self.guess_seen[seq] + self.settings.guess_misses
-        return self.guess_hits[seq] / seen if seen else 0.0
+    def guess_gain(self, seq: int, guesses: int | None = None, strong: bool = False) -> float:
+        """The lookup-guess tokens the target keeps on average of ``seq``'s first ``guesses`` (all by
+        default) guesses of a round; ``strong``: of continuations that follow a repeat of two tokens or
+        more. ``guess_misses`` phantom rounds kept none."""
+        gains = self.strong_gains if strong else self.gains
+        return gains[seq].tokens(self.guess_tokens if guesses is None else guesses, self.settings.guess_misses)
+
+    def forward(self, rows: int) -> float | None:
+        """Seconds of a verification forward over ``rows`` inputs: the timed average, else interpolated
+        between the nearest timed widths, else extrapolated along the two nearest below (never
+        falling), else the nearest timed width's; None before any forward was timed."""
+        timed = {width: average.value for width, average in self.forward_s.items() if average.value is not None}
+        if rows in timed or not timed:
+            return timed.get(rows)
+        below, above = sorted(w for w in timed if w < rows), sorted(w for w in timed if w > rows)
+        if below and above:
+            low, high = below[-1], above[0]
+            return timed[low] + (timed[high] - timed[low]) * (rows - low) / (high - low)
+        if len(below) >= 2:
+            low, high = below[-2:]
+            return timed[high] + max(timed[high] - timed[low], 0.0) * (rows - high) / (high - low)
+        return timed[below[-1]] if below else timed[above[0]]
+
+    def best_guesses(
+        self, gain: GuessGain, tokens: float, weight: float, spent: float, rows: int, most: int
+    ) -> tuple[int, float | None]:
+        """(guesses, tokens per second) of the round that emits the most per second, among rounds that
+        verify 0 to ``most`` guesses after ``rows`` inputs: ``tokens`` plus ``weight`` times the guess
+        tokens kept (``gain``), for ``spent`` seconds plus the forward's. Before any forward was timed,
+        none; ``forced``: every guess."""
+        base = self.forward(rows)
+        if base is None:
+            return (max(most, 0) if self.forced else 0, None)
+        best = (0, tokens / (spent + base))
+        misses = self.settings.guess_misses
+        for k in range(1, most + 1):
+            rate = (tokens + weight * gain.tokens(k, misses)) / (spent + self.forward(rows + k))
+            if self.forced or rate > best[1]:
+                best = (k, rate)
+        return best
+
+    def paused_rate(self, seq: int) -> float | None:
+        """Tokens per second of a round in which ``seq`` does not draft (its best number of guesses)."""
+        return self.best_guesses(self.gains[seq], 1.0, 1.0, self.idle_s.value or 0.0, 1, self.guess_tokens)[1]
+
+    def drafting_rate(self, seq: int) -> float | None:
+        """Tokens per second of a round in which ``seq`` drafts gamma tokens (its guesses after the
+        chain, which depend on the chain, left out)."""
+        verify = self.forward(self.gamma + 1)
+        if self.draft_s.value is None or verify is None:
+            return None
+        return expected_tokens(self.alpha(seq), self.gamma) / (self.draft_s.value + verify)
 
     def drafting_pays(self, seq: int) -> bool:
-        """Whether a drafting round is expected to emit tokens faster than a paused round (a plain
-        step, plus its lookup guesses where guesses are recorded), for ``seq``."""
-        if self.draft_s.value is None or self.verify_s.value is None:
+        """Whether a drafting round is expected to emit tokens faster than a round without drafting (a
+        plain step, plus its lookup guesses where they pay), for ``seq``."""
+        drafting, paused = self.drafting_rate(seq), self.paused_rate(seq)
+        if drafting is None or paused is None:
             return True
-        gain, alpha = self.guess_gain(seq), self.alpha(seq)
-        drafting = self.draft_s.value + self.verify_s.value
-        # a drafting round's guesses follow its chain: they count where every draft token was kept
-        tokens = (expected_tokens(alpha, self.gamma) + alpha**self.gamma * gain) / (1.0 + gain)
-        if self.step_s.value is None:
-            # No plain step timed yet. A step costs at most a verification over more tokens, so with
-            # t_step = t_verify drafting looks its best: a sequence it clearly pays for even then
-            # drafts on; any other takes a plain round, which times the step it is compared with.
-            return tokens * self.verify_s.value > self.settings.margin * drafting
-        return tokens * self.step_s.value > drafting
+        if self.forward_s.get(1, Average()).value is None:
+            # No one-row forward timed yet: it is taken as costly as the nearest wider one, drafting's
+            # best case, so a sequence it clearly pays for even then drafts on; any other takes a
+            # plain round, which times the step it is compared with.
+            return drafting > self.settings.margin * paused
+        return drafting > paused
 
-    def record_guesses(self, live: list[int], gained: list[int | None]) -> None:
-        """How many of each sequence's lookup-guess tokens this round were (or would have been) the
-        target's (None: no room for a guess), decayed as the acceptance counts are."""
-        decay = self.settings.decay
-        for seq, kept in zip(live, gained, strict=True):
-            if kept is not None:
-                self.guess_hits[seq] = decay * self.guess_hits[seq] + kept
-                self.guess_seen[seq] = decay * self.guess_seen[seq] + 1.0
+    def paused_guesses(self, seq: int, found: int) -> int:
+        """Guess tokens (of ``found``) a round in which ``seq`` does not draft verifies after ``x_n``:
+        none until a one-row forward was timed (the round times it), then the number that pays best."""
+        if not self.forced and self.forward_s.get(1, Average()).value is None:
+            return 0
+        return self.best_guesses(self.gains[seq], 1.0, 1.0, self.idle_s.value or 0.0, 1, found)[0]
+
+    def lookup_guesses(self, seq: int, found: int) -> int:
+        """Guess tokens (of ``found``, a continuation of a repeat of two tokens or more) a lookup round
+        for ``seq`` verifies instead of drafting; 0 where drafting emits faster."""
+        guesses, rate = self.best_guesses(self.strong_gains[seq], 1.0, 1.0, self.idle_s.value or 0.0, 1, found)
+        drafting = self.drafting_rate(seq)
+        if self.forced or guesses == 0 or rate is None or drafting is None:
+            return guesses
+        return guesses if rate > drafting else 0
+
+    def chain_guesses(self, seq: int, drafted: int, found: int) -> int:
+        """Guess tokens (of ``found``) a drafting round for ``seq`` verifies after its ``drafted``-token
+        chain; a guess there counts only where the whole chain is kept."""
+        alpha = self.alpha(seq)
+        tokens = expected_tokens(alpha, drafted)
+        spent = self.draft_s.value or 0.0
+        return self.best_guesses(self.strong_gains[seq], tokens, alpha**drafted, spent, 1 + drafted, found)[0]
+
+    def note(self, seq: int, committed: int, continuation: list[int], strong: bool) -> None:
+        """A round of ``seq`` started after ``committed`` tokens with this lookup ``continuation``
+        (verified or not); ``settle`` compares it with the tokens committed after it."""
+        self.pending[seq].append((committed, continuation, strong))
+
+    def settle(self, seq: int, sequence: list[int], finished: bool) -> None:
+        """Record how many tokens of each noted continuation of ``seq`` the target kept, once
+        ``sequence`` (its committed tokens) reaches past it or ends."""
+        waiting = []
+        for committed, continuation, strong in self.pending[seq]:
+            after = sequence[committed : committed + len(continuation)]
+            if len(after) < len(continuation) and not finished:
+                waiting.append((committed, continuation, strong))
+                continue
+            kept = 0
+            while kept < len(after) and after[kept] == continuation[kept]:
+                kept += 1
+            self.record_guess(seq, kept, strong)
+        self.pending[seq] = waiting
+
+    def record_guess(self, seq: int, kept: int, strong: bool) -> None:
+        """A round's continuation for ``seq`` of which the target kept the first ``kept`` tokens."""
+        self.gains[seq].record(kept, self.settings.decay)
+        if strong:
+            self.strong_gains[seq].record(kept, self.settings.decay)
 
     def probe_interval(self, seq: int) -> int:
         """Paused rounds before ``seq``'s next probe: ``probe_every``, times ``backoff`` for each probe
@@ -223,26 +352,28 @@ class Pacer:
         accepted: torch.Tensor,
         draft_s: float,
         verify_s: float,
+        rows: int,
         confidence: torch.Tensor | None = None,
     ) -> None:
-        """What a round did: tokens proposed and accepted per row (B,), the draft's probability of
-        each drafted token (B, G) when the drafter gave it, and the round's draft and verification
-        seconds. draft_s runs from the end of the previous round's verification, so it holds that
-        round's bookkeeping too (accepting, committing, the pacer's own decisions): a plain round is
-        timed as draft_s + verify_s, the same span a drafting round is, and not by its forward alone,
-        which would leave the per-round work only drafting rounds amortize out of the comparison."""
+        """What a round did: draft tokens proposed and accepted per row (B,), the draft's probability
+        of each drafted token (B, G) when the drafter gave it, the round's seconds up to its
+        verification and of its verification forward, and the rows that forward carried (its width).
+        draft_s runs from the end of the previous round's verification, so it holds that round's
+        bookkeeping too (accepting, committing, the pacer's own decisions): a round without drafts is
+        timed over the same span as a drafting round, and not by its forward alone, which would leave
+        the per-round work only drafting rounds amortize out of the comparison."""
+        self.forward_s.setdefault(rows, Average()).add(verify_s)
         if int(proposed.sum()) == 0:
-            self.step_s.add(draft_s + verify_s)
+            self.idle_s.add(draft_s)
             return
         # A round where a sequence drafts again after paused rounds also feeds the drafter those
         # rounds' tokens: it may lower the estimate of a drafting round, never raise it.
         self.draft_s.add(min(draft_s, self.draft_s.value) if self.resuming and self.draft_s.value else draft_s)
-        self.verify_s.add(verify_s)
         sure = confidence.tolist() if confidence is not None else None
+        decay = self.settings.decay
         for row, (seq, offered, kept) in enumerate(zip(live, proposed.tolist(), accepted.tolist(), strict=True)):
             if offered == 0:
                 continue
-            decay = self.settings.decay
             self.accepted[seq] = decay * self.accepted[seq] + kept
             self.rejected[seq] = decay * self.rejected[seq] + (1 if kept < offered else 0)
             if sure is not None:  # the tokens verification judged: the accepted ones and the first rejected

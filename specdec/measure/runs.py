@@ -22,6 +22,7 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.measure.hf_compare import HFComparison
 from draftsmith.specdec.measure.settings import MeasureSettings
 from draftsmith.specdec.measure.tally import Tally
+from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import Prompt, check_length, encode_chat
 from draftsmith.specdec.stream import needs_row_padding
 
@@ -51,11 +52,9 @@ class PairRun:
                 self.target,
                 batch_ids,
                 self.settings.max_new_tokens,
-                sampling=options.sampling,
+                options=options,
                 eos_ids=self.settings.eos_ids,
                 generator=self.generator,
-                cache_kind=options.cache_kind,
-                compile=options.compile,
             ),
             len(batch_ids),
         )
@@ -109,9 +108,8 @@ def greedy_identical(
     same = [spec == base for spec, base in zip(spec_out, base_out, strict=True)]
     if all(same) or len(batch_ids) > 1 or not needs_row_padding(target):
         return same
-    reference, _ = target_generate(
-        target, batch_ids, max_new_tokens, eos_ids=eos_ids, cache_kind=cache_kind, compile=compile, row_exact=True
-    )
+    options = DecodeOptions(cache_kind=cache_kind, compile=compile)
+    reference, _ = target_generate(target, batch_ids, max_new_tokens, options, eos_ids=eos_ids, row_exact=True)
     return [spec == ref for spec, ref in zip(spec_out, reference, strict=True)]
 
 

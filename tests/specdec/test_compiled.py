@@ -72,7 +72,7 @@ def test_compiled_steps_give_the_eager_logits_through_rollback_and_finished_rows
 def test_a_new_model_of_the_same_architecture_reuses_the_compiled_graphs(target):
     """Checkpoints of one run share an architecture: only the first pays for compilation."""
     prompts = PROMPTS[:2]
-    reference = [target_generate(target, [p], 20, compile=False)[0][0] for p in prompts]
+    reference = [target_generate(target, [p], 20, DecodeOptions(compile=False))[0][0] for p in prompts]
     first = noisy_copy(target, noise=0.3)
     out, _ = speculative_generate(target, first, prompts, 20, options=DecodeOptions(gamma=3, compile=True))
     assert out == reference
@@ -100,8 +100,8 @@ def test_static_caches_are_pooled_per_model_role_and_batch(device):
 
 def test_compiled_baseline_matches_eager_when_sequences_finish_apart(target):
     eos = 7
-    eager, _ = target_generate(target, PROMPTS, 30, eos_ids={eos}, compile=False)
-    compiled, stats = target_generate(target, PROMPTS, 30, eos_ids={eos}, compile=True)
+    eager, _ = target_generate(target, PROMPTS, 30, DecodeOptions(compile=False), eos_ids={eos})
+    compiled, stats = target_generate(target, PROMPTS, 30, DecodeOptions(compile=True), eos_ids={eos})
     assert compiled == eager
     assert len({len(seq) for seq in eager}) > 1  # rows finished at different steps
     assert stats.new_tokens == sum(len(seq) for seq in eager)
@@ -132,7 +132,7 @@ def test_bfloat16_on_a_cpu_decodes_eager_to_stay_row_exact():
     with pytest.raises(DraftsmithError, match="compiled decoding on a CPU runs in float32; bfloat16 decodes eager"):
         speculative_generate(model, model, [[0, 5]], 4, options=DecodeOptions(compile=True))
     with pytest.raises(DraftsmithError, match="pass --no-compile, or --dtype float32"):
-        target_generate(model, [[0, 5]], 4, compile=True)
+        target_generate(model, [[0, 5]], 4, DecodeOptions(compile=True))
 
 
 def test_evaluation_reports_compile_time_apart_and_compiles_nothing_for_a_second_checkpoint(target):

@@ -43,7 +43,7 @@ def draft(target):
 def alone(model, prompts, n, cache_kind=None, **kw):
     """The target's own eager greedy output for each prompt decoded alone."""
     kind = None if cache_kind == "compiled" else cache_kind
-    return [target_generate(model, [p], n, cache_kind=kind, compile=False, **kw)[0][0] for p in prompts]
+    return [target_generate(model, [p], n, DecodeOptions(cache_kind=kind, compile=False), **kw)[0][0] for p in prompts]
 
 
 @pytest.mark.parametrize("cache_kind", KINDS)
@@ -69,7 +69,7 @@ def test_ragged_batches_match_each_prompt_alone(target, draft, cache_kind, batch
     out, stats = speculative_generate(target, draft, prompts, 30, options=options)
     assert out == ref
     assert 0 < stats.accepted < stats.proposed  # a draft of middling quality: ragged acceptance
-    base, _ = target_generate(target, prompts, 30, cache_kind=options.cache_kind, compile=options.compile)
+    base, _ = target_generate(target, prompts, 30, options)
     assert base == ref  # the batched baseline is exact too
 
 

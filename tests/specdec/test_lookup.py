@@ -2,20 +2,20 @@
 last n-gram; verified in the row a row-exact pause pads anyway, kept only where the target agrees."""
 
 import itertools
+import time
 
 import pytest
 import torch
 
 from draftsmith.distill.drafts import KINDS
 from draftsmith.distill.drafts.kind import DraftSettings
-from draftsmith.specdec.decoder import speculative_generate, target_generate, verifies_guesses
-from draftsmith.specdec.drafters import LMDrafter
+from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
-from draftsmith.specdec.lookup import lookup_continuation, lookup_guess, with_guesses
-from draftsmith.specdec.matmul import use_column_products
+from draftsmith.specdec.lookup import lookup_continuation, with_guesses
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Pacer
 from draftsmith.specdec.proposal import Proposal
+from draftsmith.specdec.verify import TargetVerifier
 from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,15 +23,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_the_longest_repeated_ngram_wins_and_its_latest_occurrence():
     # last 3 tokens (7, 8, 9) occurred at 1..3 and were followed by 4; the bigram (8, 9) also at 6..7 (then 5)
-    assert lookup_guess([6, 7, 8, 9, 4, 1, 8, 9, 5, 7, 8, 9]) == 4
+    assert lookup_continuation([6, 7, 8, 9, 4, 1, 8, 9, 5, 7, 8, 9], 1) == ([4], 3)
     # no trigram repeat: the bigram (8, 9) last occurred before 5
-    assert lookup_guess([6, 8, 9, 4, 1, 8, 9, 5, 2, 8, 9]) == 5
+    assert lookup_continuation([6, 8, 9, 4, 1, 8, 9, 5, 2, 8, 9], 1) == ([5], 2)
     # only the last token repeats: what followed its latest earlier occurrence
-    assert lookup_guess([3, 1, 3, 2, 5, 3]) == 2
-    assert lookup_guess([1, 2, 3]) is None  # nothing repeats
-    assert lookup_guess([4]) is None and lookup_guess([]) is None
-    assert lookup_guess([5, 5]) == 5  # a run guesses itself
-    assert lookup_guess([1, 2, 3, 1, 2, 3, 1, 2], max_ngram=1) == 3
+    assert lookup_continuation([3, 1, 3, 2, 5, 3], 1) == ([2], 1)
+    assert lookup_continuation([1, 2, 3], 1) == ([], 0)  # nothing repeats
+    assert lookup_continuation([4], 1) == ([], 0) and lookup_continuation([], 1) == ([], 0)
+    assert lookup_continuation([5, 5], 1) == ([5], 1)  # a run guesses itself
+    assert lookup_continuation([1, 2, 3, 1, 2, 3, 1, 2], 1, max_ngram=1) == ([3], 1)
 
 
 def test_the_continuation_is_what_followed_the_match_up_to_the_length_asked():
@@ -144,23 +144,49 @@ def test_no_guess_without_room_for_two_tokens_or_for_a_drafter_that_reuses_its_s
     assert out == target_generate(target, prompt, 12)[0] and stats.paused > 0 and stats.guesses == 0
 
 
-def test_guesses_are_on_by_default_where_a_one_token_step_already_runs_two_rows():
-    # bfloat16 pads a one-token step to two rows, and the float32 column form multiplies it as two
-    # columns, so a guess rides where little more is paid; with torch's float32 linear a CPU's two-row
-    # verification can cost far more than a step, so the default leaves guesses out
+class RowClock:
+    """``time.perf_counter`` for the decoder's clock: a millisecond per read, plus ``step`` seconds for
+    each verification forward and ``row`` for each input row it carries beyond the first, whatever
+    the machine does (``verify`` is wrapped to add them)."""
+
+    def __init__(self, step: float, row: float):
+        self.now, self.step, self.row = 0.0, step, row
+
+    def __call__(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+    def wrap(self, verify):
+        def timed_verify(verifier, inputs, valid, reusable=None):
+            self.now += self.step + self.row * (inputs.shape[1] - 1)
+            return verify(verifier, inputs, valid, reusable)
+
+        return timed_verify
+
+
+@pytest.mark.parametrize("kind", ["lm", "eagle3"])
+def test_guesses_follow_the_measured_cost_of_a_verification_row(monkeypatch, kind):
+    # The same decoding, once on a clock where a verification row costs little beside a step and once
+    # where it costs two steps (a guess can then never pay: k guesses emit at most k tokens for 2k
+    # steps). The pacer prices guesses from the forwards it timed, so the first verifies many and the
+    # second none; the output is the target's either way.
     target = tiny_llama(vocab=32, layers=4, sharpness=8.0)
-    drafter = LMDrafter(noisy_copy(target, 3.0), 1, 64, "slot")
-    paced = DecodeOptions(gamma=1, pace=True)
-    assert not verifies_guesses(target, drafter, paced)
-    assert verifies_guesses(target, drafter, DecodeOptions(gamma=1, pace=True, guesses=True))
-    assert verifies_guesses(tiny_llama(vocab=32, layers=4).to(torch.bfloat16), drafter, paced)
-    columns = tiny_llama(vocab=32, layers=4)
-    use_column_products(columns, True)
-    assert verifies_guesses(columns, drafter, paced)
-    assert not verifies_guesses(columns, drafter, DecodeOptions(gamma=1, pace=True, guesses=False))
-    assert not verifies_guesses(target, drafter, DecodeOptions(gamma=1, pace=True, guesses=False))
-    assert not verifies_guesses(target, drafter, DecodeOptions(gamma=1, guesses=True))  # unpaced: every round drafts
-    assert not verifies_guesses(target, drafter, DecodeOptions(gamma=1, pace=True, guesses=True, exact_pauses=False))
     prompt = [[0, 5, 9, 4, 5, 9, 4, 5, 9, 4]]
-    out, stats = speculative_generate(target, noisy_copy(target, 3.0), prompt, 16, paced)
-    assert out == target_generate(target, prompt, 16)[0] and stats.guesses == 0 and stats.lookup_rounds == 0
+    expected = target_generate(target, prompt, 40)[0]
+    options = {"eagle3": {"aux_layers": [1, 2, 3]}}
+    torch.manual_seed(0)
+    settings = DraftSettings(kind=kind, layers="1", options=options.get(kind, {}))
+    draft = KINDS[kind].build(settings, target, tiny_tokenizer(32), target.device).eval()
+    counts = {}
+    for name, row in (("cheap", 0.01), ("dear", 2.0)):
+        clock = RowClock(step=1.0, row=row)
+        monkeypatch.setattr(time, "perf_counter", clock)
+        monkeypatch.setattr(TargetVerifier, "verify", clock.wrap(TargetVerifier.verify))  # both kinds verify with it
+        out, stats = speculative_generate(target, draft, prompt, 40, DecodeOptions(gamma=2, pace=True))
+        monkeypatch.undo()
+        assert out == expected, name
+        counts[name] = stats
+    assert counts["cheap"].guesses_accepted >= 10  # 12 of 13 (lm), 15 of 20 (eagle3)
+    assert counts["dear"].guesses == 0 and counts["dear"].lookup_rounds == 0
+    # dear rows price drafting's wider verification too: most rounds are plain steps there
+    assert counts["cheap"].seq_rounds < counts["dear"].seq_rounds and counts["dear"].paused > counts["cheap"].paused

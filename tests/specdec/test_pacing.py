@@ -13,7 +13,7 @@ from draftsmith.distill.drafts.kind import DraftSettings
 from draftsmith.specdec.decoder import speculative_generate, target_generate
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.pacing import Pacer, PaceSettings, expected_tokens
+from draftsmith.specdec.pacing import Average, Pacer, PaceSettings, expected_tokens
 from draftsmith.specdec.proposal import draft_chain
 from draftsmith.specdec.sampling import SamplingParams
 from tests.helpers import assert_fits, noisy_copy, sample_spec, tiny_llama, tiny_tokenizer
@@ -43,13 +43,22 @@ class TickClock:
 
 
 def timed_pacer(
-    gamma: int, draft: float, verify: float, step: float | None, alpha_counts=(0.0, 0.0), **settings
+    gamma: int,
+    draft: float,
+    verify: float,
+    step: float | None,
+    alpha_counts=(0.0, 0.0),
+    guess_tokens=0,
+    forced=False,
+    **settings,
 ) -> Pacer:
-    pacer = Pacer(gamma, batch_size=1, settings=PaceSettings(**settings))
+    """A pacer that has timed a drafting round (``draft`` seconds to the verification, whose forward over
+    gamma + 1 rows took ``verify``) and, unless ``step`` is None, a plain one-row forward of ``step``."""
+    pacer = Pacer(gamma, 1, PaceSettings(**settings), guess_tokens, forced)
     pacer.draft_s.add(draft)
-    pacer.verify_s.add(verify)
+    pacer.forward_s[gamma + 1] = Average(value=verify)
     if step is not None:
-        pacer.step_s.add(step)
+        pacer.forward_s[1] = Average(value=step)
     pacer.accepted[0], pacer.rejected[0] = alpha_counts
     return pacer
 
@@ -82,12 +91,12 @@ def test_a_few_unlucky_rounds_do_not_pause_a_draft_that_pays():
     # where after two, 0.5 / 3.47 still pays).
     pacer = timed_pacer(1, 0.13, 1.0, 1.0)
     for kept in [1, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0] + [0] * 5:
-        pacer.record([0], torch.tensor([1]), torch.tensor([kept]), draft_s=0.13, verify_s=1.0)
+        pacer.record([0], torch.tensor([1]), torch.tensor([kept]), draft_s=0.13, verify_s=1.0, rows=2)
     assert pacer.alpha(0) == pytest.approx(0.2166, abs=1e-4) and pacer.drafting_pays(0)
     never = timed_pacer(1, 0.13, 1.0, 1.0)
     paused_after = None
     for rounds in range(1, 10):
-        never.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.13, verify_s=1.0)
+        never.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.13, verify_s=1.0, rows=2)
         if paused_after is None and not never.drafting_pays(0):
             paused_after = rounds
     assert paused_after == 3
@@ -97,20 +106,21 @@ def test_a_paused_sequence_probes_again_and_acceptance_is_decayed_counts():
     # a probe every 3 paused rounds, whatever came of them
     pacer = timed_pacer(2, 1.0, 1.0, 1.0, (0.0, 3.0), probe_every=3, backoff=1.0)
     assert [pacer.drafts([0])[0] for _ in range(8)] == [False, False, False, True, False, False, False, True]
-    pacer.record([0], torch.tensor([2]), torch.tensor([2]), draft_s=1.0, verify_s=1.0)
+    pacer.record([0], torch.tensor([2]), torch.tensor([2]), draft_s=1.0, verify_s=1.0, rows=3)
     # counts decay by 0.97 per drafting round: accepted 0 * 0.97 + 2, rejected 3 * 0.97 + 0, each
     # with the prior's (0.5, 1) added
     assert pacer.alpha(0) == pytest.approx((2 + 0.5) / (2 + 0.5 + 2.91 + 1))
-    pacer.record([0], torch.tensor([0]), torch.tensor([0]), draft_s=0.0, verify_s=0.5)
-    assert pacer.step_s.value == pytest.approx(0.7 * 1.0 + 0.3 * 0.5)  # a plain round times the step
+    pacer.record([0], torch.tensor([0]), torch.tensor([0]), draft_s=0.0, verify_s=0.5, rows=1)
+    # a plain round times the one-row forward, and its bookkeeping apart
+    assert pacer.forward(1) == pytest.approx(0.7 * 1.0 + 0.3 * 0.5) and pacer.idle_s.value == 0.0
 
 
 def test_rounds_are_compared_over_the_same_span_and_a_resumed_round_never_raises_the_draft_time():
     # A plain round's time is its lap from the previous verification (the bookkeeping every round
     # pays) plus its verification, as a drafting round's is: 0.1 + 1.0 here, not 1.0.
     pacer = timed_pacer(1, 0.3, 1.05, None, (0.0, 0.0))
-    pacer.record([0], torch.tensor([0]), torch.tensor([0]), draft_s=0.1, verify_s=1.0)
-    assert pacer.step_s.value == pytest.approx(1.1)
+    pacer.record([0], torch.tensor([0]), torch.tensor([0]), draft_s=0.1, verify_s=1.0, rows=1)
+    assert pacer.idle_s.value + pacer.forward(1) == pytest.approx(1.1)
     # at the prior's 1/3 a round emits 1.333 tokens: 1.333 * 1.1 = 1.467 beats the drafting round's
     # 0.3 + 1.05 = 1.35, where the forward alone (1.333 * 1.0) would not have
     assert pacer.drafting_pays(0)
@@ -120,16 +130,16 @@ def test_rounds_are_compared_over_the_same_span_and_a_resumed_round_never_raises
     assert pacer.drafts([0]) == [True] and pacer.resuming
     # the probe's draft forward also reads the paused rounds' tokens: 0.9 s leaves the estimate as
     # it was; a quick one lowers it
-    pacer.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.9, verify_s=1.05)
+    pacer.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.9, verify_s=1.05, rows=2)
     assert pacer.draft_s.value == pytest.approx(0.3)
     pacer.paused_for[0] = pacer.probe_interval(0)
     pacer.drafts([0])
-    pacer.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.1, verify_s=1.05)
+    pacer.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.1, verify_s=1.05, rows=2)
     assert pacer.draft_s.value == pytest.approx(0.7 * 0.3 + 0.3 * 0.1)
     # a drafting round after a drafting round counts as timed
     pacer.accepted[0] = 100.0
     assert pacer.drafts([0]) == [True] and not pacer.resuming
-    pacer.record([0], torch.tensor([1]), torch.tensor([1]), draft_s=0.9, verify_s=1.05)
+    pacer.record([0], torch.tensor([1]), torch.tensor([1]), draft_s=0.9, verify_s=1.05, rows=2)
     assert pacer.draft_s.value == pytest.approx(0.7 * 0.24 + 0.3 * 0.9)
 
 
@@ -142,14 +152,14 @@ def test_probes_that_find_drafting_still_not_paying_come_ever_later_until_one_pa
         if pacer.drafts([0])[0]:
             gaps.append(paused)
             paused = 0
-            pacer.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.13, verify_s=1.0)
+            pacer.record([0], torch.tensor([1]), torch.tensor([0]), draft_s=0.13, verify_s=1.0, rows=2)
         else:
             paused += 1
     assert gaps == [3, 6, 12, 12]
     for _ in range(12):
         assert not pacer.drafts([0])[0]
     assert pacer.drafts([0])[0]  # the fifth probe is accepted many times over: drafting pays again
-    pacer.record([0], torch.tensor([1]), torch.tensor([1]), draft_s=0.13, verify_s=1.0)
+    pacer.record([0], torch.tensor([1]), torch.tensor([1]), draft_s=0.13, verify_s=1.0, rows=2)
     pacer.accepted[0] += 10.0
     assert pacer.drafts([0])[0] and pacer.probes[0] == 0
     pacer.rejected[0] += 100.0  # and it stops paying again: the next probe comes after probe_every
@@ -162,7 +172,7 @@ def test_the_drafts_own_confidence_centres_the_prior():
     def after(outcomes, sure, **settings):
         pacer = timed_pacer(1, 0.13, 1.0, 1.0, **settings)
         for kept in outcomes:
-            pacer.record([0], torch.tensor([1]), torch.tensor([kept]), 0.13, 1.0, torch.tensor([[sure]]))
+            pacer.record([0], torch.tensor([1]), torch.tensor([kept]), 0.13, 1.0, 2, torch.tensor([[sure]]))
         return pacer
 
     # A draft unsure of its token (0.05) whose first proposal is rejected: 0.3 / 7 = 0.043, paused
@@ -178,11 +188,11 @@ def test_the_drafts_own_confidence_centres_the_prior():
     # gamma 3: the tokens verification judged are the accepted ones and the first rejected (0.4 and
     # 0.2 here; the third, never judged, does not count), so the prior's centre is 0.3.
     chain = timed_pacer(3, 0.13, 1.0, 1.0)
-    chain.record([0], torch.tensor([3]), torch.tensor([1]), 0.4, 1.0, torch.tensor([[0.4, 0.2, 0.9]]))
+    chain.record([0], torch.tensor([3]), torch.tensor([1]), 0.4, 1.0, 4, torch.tensor([[0.4, 0.2, 0.9]]))
     assert chain.prior(0) == pytest.approx((6 * 0.3, 6 * 0.7))
     # No confidence given (a drafter that does not report it): the fixed prior.
     plain = timed_pacer(3, 0.13, 1.0, 1.0)
-    plain.record([0], torch.tensor([3]), torch.tensor([1]), 0.4, 1.0)
+    plain.record([0], torch.tensor([3]), torch.tensor([1]), 0.4, 1.0, 4)
     assert plain.prior(0) == (0.5, 1.0) and plain.alpha(0) == pytest.approx(1.5 / 3.5)
 
 
@@ -332,27 +342,91 @@ def test_pace_settings_are_decode_options_and_bad_ones_are_refused(target):
         DecodeOptions(pace=True, pace_settings={"backoff": 1.0})
 
 
+def test_widths_never_timed_are_interpolated_or_extrapolated_from_those_timed():
+    pacer = Pacer(3, 1)
+    assert pacer.forward(2) is None  # nothing timed yet
+    pacer.forward_s[4] = Average(value=1.3)
+    # one width timed: a narrower forward costs at most as much, a wider one is taken as no dearer
+    assert pacer.forward(1) == 1.3 and pacer.forward(6) == 1.3
+    pacer.forward_s[1] = Average(value=1.0)
+    assert pacer.forward(2) == pytest.approx(1.1) and pacer.forward(3) == pytest.approx(1.2)
+    assert pacer.forward(7) == pytest.approx(1.6)  # along the two widest: 0.1 a row
+    pacer.forward_s[5] = Average(value=1.2)  # noise: never cheaper with more rows past the widest
+    assert pacer.forward(7) == pytest.approx(1.2)
+
+
+def test_continuations_are_settled_against_the_tokens_committed_after_them():
+    pacer = Pacer(1, 2, guess_tokens=3)
+    pacer.note(0, 4, [7, 8, 9], strong=True)
+    pacer.settle(0, [1, 2, 3, 4, 7, 8], finished=False)  # not yet past the continuation: it waits
+    assert pacer.gains[0].seen == 0 and len(pacer.pending[0]) == 1
+    pacer.settle(0, [1, 2, 3, 4, 7, 8, 5], finished=False)  # two of three were the target's
+    assert pacer.gains[0].hits == [1.0, 1.0, 0.0] and pacer.strong_gains[0].hits == [1.0, 1.0, 0.0]
+    assert pacer.pending[0] == [] and pacer.guess_gain(0) == pytest.approx(2 / 2)  # one phantom round kept none
+    assert pacer.guess_gain(0, guesses=1) == pytest.approx(1 / 2)
+    pacer.note(1, 2, [3, 3], strong=False)
+    pacer.settle(1, [0, 0, 3], finished=True)  # the answer ended after one of them
+    assert pacer.gains[1].hits == [1.0, 0.0, 0.0] and pacer.strong_gains[1].seen == 0
+
+
+def test_guess_rows_are_verified_where_their_cost_pays_and_not_where_it_does_not():
+    # gamma 3; a one-row forward takes 1.0 s, a verification of 4 rows 1.15 s (rows cost 0.05 each)
+    # or 2.8 s (0.6 each); the widths between are interpolated. The draft never agrees: paused.
+    def pacer_with(rows_cost: float, counts=(0.0, 5.0)) -> Pacer:
+        return timed_pacer(3, 0.4, 1.0 + 3 * rows_cost, 1.0, counts, guess_tokens=3, confidence=0.0)
+
+    cheap, dear = pacer_with(0.05), pacer_with(0.6)
+    assert cheap.forward(2) == pytest.approx(1.05) and dear.forward(2) == pytest.approx(1.6)
+    for pacer in (cheap, dear):
+        assert not pacer.drafting_pays(0) and pacer.paused_guesses(0, 3) == 0  # nothing kept yet: no guesses
+        pacer.record_guess(0, 1, strong=False)  # a round whose continuation's first token was the target's
+        assert pacer.guess_gain(0) == pytest.approx(0.5)  # with one phantom round that kept none
+    # cheap rows: one guess emits 1.5 tokens for 1.05 s (1.43 a second), more than the plain round's 1.0;
+    # dear rows: 1.5 tokens for 1.6 s (0.94) is less
+    assert cheap.paused_guesses(0, 3) == 1 and dear.paused_guesses(0, 3) == 0
+    # where every guess is kept (2.9 tokens of 3), three pay in both: 3.9 tokens for 1.15 s or 2.8 s
+    for pacer in (cheap, dear):
+        for _ in range(30):
+            pacer.record_guess(0, 3, strong=False)
+        assert pacer.paused_guesses(0, 3) == 3
+    forced = timed_pacer(3, 0.4, 10.0, 1.0, guess_tokens=3, forced=True)  # DecodeOptions.guesses=True
+    assert forced.paused_guesses(0, 3) == 3 and forced.lookup_guesses(0, 2) == 2 and forced.chain_guesses(0, 1, 1) == 1
+
+
 def test_a_sequence_whose_text_repeats_itself_pauses_for_its_lookup_guesses():
-    # gamma 1, alpha 2 / 4.5 (counts 1.5 / 1.5 plus the prior's 0.5 / 1): 1.44 tokens a drafting round
-    # of 0.13 + 1.05 steps, against one token for a plain step of 1.05: 1.52 > 1.18, drafting pays.
-    # With guesses gaining h tokens a round, a paused round emits 1 + h and a drafting round
-    # 1.44 + 0.44 h (its guesses follow its draft token): drafting pays while h < 0.47.
-    pacer = timed_pacer(1, 0.13, 1.05, 1.05, (1.5, 1.5), confidence=0.0)
-    assert pacer.alpha(0) == pytest.approx(2.0 / 4.5)
-    assert pacer.guess_gain(0) == 0.0 and pacer.drafting_pays(0)
-    pacer.record_guesses([0], [1])
-    assert pacer.guess_gain(0) == pytest.approx(0.5)  # one token gained, one phantom round without
-    pacer.record_guesses([0], [None])  # no room for a guess this round: nothing changes
-    assert pacer.guess_gain(0) == pytest.approx(0.5)
-    assert not pacer.drafting_pays(0)  # (1.44 + 0.22) * 1.05 < 1.18 * 1.5
-    for gained in [0, 0, 0, 1, 0, 0, 0]:
-        pacer.record_guesses([0], [gained])
+    # gamma 1, alpha 2 / 4.5: 1.44 tokens per drafting round of 0.13 + 1.05 s, 1.22 a second, against
+    # one token for a one-row forward of 1.0 s: drafting pays. A forward of 4 rows takes 1.15 s.
+    pacer = timed_pacer(1, 0.13, 1.05, 1.0, (1.5, 1.5), guess_tokens=3, confidence=0.0)
+    pacer.forward_s[4] = Average(value=1.15)
+    assert pacer.alpha(0) == pytest.approx(2 / 4.5) and pacer.drafting_pays(0)
+    # with one guess kept every other round, a paused round emits 1.5 tokens for 1.05 s: 1.43 a second
+    pacer.record_guess(0, 1, strong=False)
+    assert pacer.paused_rate(0) == pytest.approx(1.5 / 1.05) and not pacer.drafting_pays(0)
+    for kept in [0, 0, 0, 1, 0, 0, 0]:
+        pacer.record_guess(0, kept, strong=False)
     decay, hits, seen = PaceSettings().decay, 0.0, 0.0
-    for gained in [1, 0, 0, 0, 1, 0, 0, 0]:
-        hits, seen = decay * hits + gained, decay * seen + 1
-    assert pacer.guess_gain(0) == pytest.approx(hits / (seen + 1))  # decayed as the acceptance counts are
+    for kept in [1, 0, 0, 0, 1, 0, 0, 0]:
+        hits, seen = decay * hits + kept, decay * seen + 1
+    assert pacer.guess_gain(0, 1) == pytest.approx(hits / (seen + 1))  # decayed as the acceptance counts are
     assert pacer.guess_gain(0) < 0.25 and pacer.drafting_pays(0)  # a quarter of a token a round: draft
-    # rounds whose guesses would each have kept two tokens: a paused round's 3 tokens beat drafting
-    for _ in range(6):
-        pacer.record_guesses([0], [2])
-    assert pacer.guess_gain(0) > 0.9 and not pacer.drafting_pays(0)
+
+
+def test_lookup_rounds_and_guesses_after_a_chain_follow_the_cost_of_rows():
+    # gamma 3, alpha 3.5 / 6: 2.12 tokens a drafting round of 0.4 s plus a verification of 4 rows,
+    # 1.15 s where rows are cheap, 2.8 s where dear. Continuations of long repeats were the target's
+    # two tokens out of three, every time: 0.95 and 1.9 tokens kept of one and two guesses.
+    def pacer_with(rows_cost: float) -> Pacer:
+        pacer = timed_pacer(3, 0.4, 1.0 + 3 * rows_cost, 1.0, (3.0, 1.5), guess_tokens=3, confidence=0.0)
+        for _ in range(30):
+            pacer.record_guess(0, 2, strong=True)
+        return pacer
+
+    cheap, dear = pacer_with(0.05), pacer_with(0.6)
+    assert cheap.guess_gain(0, 2, strong=True) == pytest.approx(1.905, abs=1e-3)
+    # a lookup round of two guesses emits 2.9 tokens for 1.1 s (cheap) or 2.2 s (dear): either beats a
+    # drafting round (1.37 and 0.66 a second), and the third guess, never kept, is left out
+    assert cheap.lookup_guesses(0, 3) == 2 and dear.lookup_guesses(0, 3) == 2
+    # after three drafted tokens (all kept with 0.2), two guesses add 0.2 * 1.9 tokens for two rows:
+    # 0.1 s more where rows are cheap, 1.2 s where dear; only the cheap chain carries them
+    assert cheap.forward(6) == pytest.approx(1.25) and dear.forward(6) == pytest.approx(4.0)
+    assert cheap.chain_guesses(0, 3, 3) == 2 and dear.chain_guesses(0, 3, 3) == 0
