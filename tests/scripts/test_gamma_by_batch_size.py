@@ -175,3 +175,30 @@ def test_what_batch_sizes_cannot_take_is_refused_in_one_line(published, extra, m
     assert main(["eval", "--target", str(target_dir), "--draft", str(draft_dir), *MEASURE, *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_the_card_gives_vllm_the_schedule_vllm_measured_where_it_was(published, tmp_path):
+    run_dir, _, _ = published
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    report, best = best_result(run)
+    # what eval-run --engine vllm --batch-sizes 1,4 adds for the best draft (engine_eval.engine_run_schedule)
+    entry = {"best_gamma": 3, "speedup": 1.1, "gamma": 3, "speedup_by_gamma": {"1": 1.0, "3": 1.1}}
+    report["engine_schedule"] = {
+        "checkpoint": report["best"],
+        "temperature": 0.0,
+        "engine_version": "0.32.0",
+        "dtype": "float32",
+        "by_batch_size": {"1": entry, "4": {**entry, "speedup": 0.8, "gamma": 0}},
+        KEY: [[1, 3, 3], [4, 4, 0]],
+    }
+    (run / "speedup_report.json").write_text(json.dumps(report))
+    assert main(["publish", str(run), "--out", str(tmp_path / "draft")]) == 0
+    speculative = card_speculative_config(tmp_path / "draft")
+    assert speculative[KEY] == [(1, 3, 3), (4, 4, 0)] and speculative["num_speculative_tokens"] == 3
+    text = (tmp_path / "draft" / "README.md").read_text()
+    assert "As measured by vLLM 0.32.0:" in text and "| 4 | vLLM 0.32.0, float32 | 3 | 0.80x | 0 |" in text
+    # draftsmith's own decoder keeps the schedule it measured itself
+    assert read_schedule(tmp_path / "draft") == [tuple(r) for r in best["gamma_by_batch_size"]]
+    profile = json.loads((tmp_path / "draft" / "draftsmith_profile.json").read_text())["gamma_by_batch_size"]
+    assert profile["vllm"]["by_batch_size"]["4"]["gamma"] == 0
