@@ -14,8 +14,9 @@ from draftsmith.specdec.draft_vocab import SubsetHeadDraft
 from draftsmith.specdec.matmul import (
     MAX_ROWS,
     ColumnLinear,
+    column_form_shapes,
     column_linear,
-    column_products_pay,
+    column_shapes,
     use_column_products,
     uses_column_products,
 )
@@ -77,22 +78,26 @@ def test_small_models_are_not_timed(monkeypatch):
     monkeypatch.setattr(matmul, "_time_pass", fail)
     model = tiny_llama()
     assert use_column_products(model) is False
-    assert not column_products_pay(nn.Linear(1024, 1024).bfloat16())  # no float32 weights to time
+    assert not column_shapes(nn.Linear(1024, 1024).bfloat16())  # no float32 weights to time
 
 
 @pytest.mark.parametrize(("columns_s", "expected"), [(0.5, True), (0.9, True), (0.95, False), (1.2, False)])
-def test_the_column_form_is_chosen_where_it_takes_at_most_nine_tenths(monkeypatch, columns_s, expected):
+def test_the_column_form_is_chosen_per_shape_where_it_takes_at_most_nine_tenths(monkeypatch, columns_s, expected):
     calls = []
 
     def fake_pass(weights, inputs, columns):
         calls.append(columns)
-        assert {w.shape for w in weights} == {(1024, 1024)} and len(weights) == 3
-        return columns_s if columns else 1.0
+        assert [tuple(w.shape) for w in weights] == [(1024, 1024), (512, 1024)] * 2  # in the order a forward reads
+        # the square weights take columns_s of linear's time in the column form, the others 1.5 of it
+        return {(1024, 1024): columns_s if columns else 1.0, (512, 1024): 1.5 if columns else 1.0}
 
     monkeypatch.setattr(matmul, "_time_pass", fake_pass)
-    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(3)))  # 12 MiB of float32 weights
+    layers = [nn.Linear(1024, 1024), nn.Linear(1024, 512), nn.Linear(1024, 1024), nn.Linear(1024, 512)]
+    model = nn.Sequential(*layers)  # 12 MiB of float32 weights
     assert use_column_products(model) is expected
     assert calls == [True, False] + [False, True] * 7  # a warm-up of each, then seven interleaved pairs
+    assert [type(m) is ColumnLinear for m in layers] == [expected, False, expected, False]
+    assert column_form_shapes(model) == ({(1024, 1024)} if expected else set())
     monkeypatch.setattr(matmul, "_time_pass", None)  # the choice is kept: no second timing
     assert use_column_products(model) is expected
 
