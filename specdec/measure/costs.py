@@ -21,6 +21,19 @@ from draftsmith.specdec.drafters import PairedDraft
 from draftsmith.specdec.options import DecodeOptions
 
 
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a one-token decoding step of ``model`` reads: its linear layers' weights and
+    biases, each shared tensor once (a head tied to the embeddings is read as the head); the
+    embedding rows and norms it reads are a few kilobytes."""
+    tensors: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            for tensor in (module.weight, module.bias):
+                if tensor is not None:
+                    tensors.setdefault(tensor.data_ptr(), tensor)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def sum_stats(stats: list[DecodeStats]) -> DecodeStats:
     """The counters and timings of several decoding calls added up."""
     total = DecodeStats()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -57,3 +58,18 @@ def describe() -> str:
         return torch.cuda.get_device_name(0)
     flags = ", ".join(cpu_flags()) or "none of " + ", ".join(FLAGS)
     return f"{cpu_model()} ({flags}), {torch.get_num_threads()} threads of {os.cpu_count()}"
+
+
+@torch.inference_mode()
+def memory_read_bandwidth(size: int = 2**30, repeats: int = 5) -> float:
+    """Bytes per second this machine reads from memory: a sum over ``size`` bytes of float32, larger
+    than a CPU's caches, the fastest of ``repeats`` (the one another process disturbed least), on
+    torch's threads. A decoding step that reads weights of W bytes takes at least W over it."""
+    data = torch.ones(size // 4, dtype=torch.float32)
+    data.sum()  # faults the pages in
+    fastest = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        fastest = min(fastest, time.perf_counter() - start)
+    return data.numel() * 4 / fastest
