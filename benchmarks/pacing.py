@@ -76,6 +76,8 @@ VARIANTS = {
     "confidence 3, probe 8": PaceSettings(confidence=3.0, probe_every=8),
     "margin 1.2": PaceSettings(margin=1.2),
     "margin 1.0": PaceSettings(margin=1.0),
+    "no probe budget": PaceSettings(probe_budget=0.0),
+    "probe budget 0.05": PaceSettings(probe_budget=0.05),
     "guess misses 0.5": PaceSettings(guess_misses=0.5),
     "guess misses 2": PaceSettings(guess_misses=2.0),
     "guess misses 4": PaceSettings(guess_misses=4.0),

@@ -41,6 +41,7 @@ with the target, the guesses win.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +82,14 @@ class PaceSettings:
     a sequence time one plain step unless its draft clearly pays); in bfloat16, where the step and
     a verification cost about the same, 1.5 measured as 1 did (1.15 and 1.16). backoff: each probe in
     a row after which drafting still does not pay multiplies the paused rounds before the next by
-    this (1: every ``probe_every`` rounds), up to ``probe_max``.
+    this (1: every ``probe_every`` rounds), up to ``probe_max``. probe_budget: the share of a paused
+    sequence's time its probes may lose: a probe is a drafting round the sequence would have spent
+    faster paused, and what it loses (``probe_loss``) is large for a draft whose step costs much
+    (an early-exit draft runs the target's own lower layers), so the paused rounds before a probe
+    are at least its loss over ``probe_budget`` times a paused round's seconds, past ``probe_max`` if
+    need be (0: the back-off alone). A probe of a draft near break-even loses little and comes as
+    often as the back-off lets it; one of a draft far from paying comes seldom, so it costs at most
+    that share.
     confidence: once a sequence has drafted and its drafter reports how sure it was (the draft's
     probability of each drafted token, ``Proposal.confidence``), the prior is this many counts split
     as the draft's mean probability of the tokens verification judged (decayed as the counts are);
@@ -105,6 +113,7 @@ class PaceSettings:
     margin: float = 1.5
     backoff: float = 2.0
     probe_max: int = 32
+    probe_budget: float = 0.02
     guess_misses: float = 1.0
 
     def __post_init__(self) -> None:
@@ -121,6 +130,8 @@ class PaceSettings:
             problems.append(f"margin must be >= 1, got {self.margin}")
         if self.backoff < 1:
             problems.append(f"backoff must be >= 1 (1: no back-off), got {self.backoff}")
+        if not 0 <= self.probe_budget < 1:
+            problems.append(f"probe_budget must be a share in [0, 1), got {self.probe_budget}")
         if self.guess_misses < 0:
             problems.append(f"guess_misses must be a count >= 0, got {self.guess_misses}")
         if self.probe_max < self.probe_every:
@@ -326,11 +337,27 @@ class Pacer:
         if strong:
             self.strong_gains[seq].record(kept, self.settings.decay)
 
+    def probe_loss(self, seq: int) -> float:
+        """Seconds a drafting round of ``seq`` is expected to lose against spending its tokens in paused
+        rounds: its seconds less its expected tokens at the paused rate (0 where it pays, or before
+        both kinds of round are timed)."""
+        drafting, paused = self.drafting_rate(seq), self.paused_rate(seq)
+        if drafting is None or paused is None or drafting >= paused:
+            return 0.0
+        tokens = expected_tokens(self.alpha(seq), self.gamma)
+        return tokens / drafting - tokens / paused
+
     def probe_interval(self, seq: int) -> int:
         """Paused rounds before ``seq``'s next probe: ``probe_every``, times ``backoff`` for each probe
-        in a row that left drafting not paying, at most ``probe_max``."""
+        in a row that left drafting not paying, at most ``probe_max``; and at least as many as keep
+        the probe's loss within ``probe_budget`` of the paused rounds' time."""
         every, most = self.settings.probe_every, self.settings.probe_max
-        return min(round(every * self.settings.backoff ** self.probes[seq]), most)
+        interval = min(round(every * self.settings.backoff ** self.probes[seq]), most)
+        loss, forward = self.probe_loss(seq), self.forward(1)
+        if loss and self.settings.probe_budget and forward:
+            paused_round = (self.idle_s.value or 0.0) + forward
+            interval = max(interval, math.ceil(loss / (self.settings.probe_budget * paused_round)))
+        return interval
 
     def drafts(self, live: list[int]) -> list[bool]:
         """For each sequence of ``live`` (one per batch row), whether it drafts in the next round."""

@@ -11,11 +11,13 @@ import torch
 from draftsmith.distill.drafts import KINDS
 from draftsmith.distill.drafts.kind import DraftSettings
 from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.drafters import LMDrafter
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.pacing import Average, Pacer, PaceSettings, expected_tokens
 from draftsmith.specdec.proposal import draft_chain
 from draftsmith.specdec.sampling import SamplingParams
+from draftsmith.specdec.verify import TargetVerifier
 from tests.helpers import assert_fits, noisy_copy, sample_spec, tiny_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -103,8 +105,8 @@ def test_a_few_unlucky_rounds_do_not_pause_a_draft_that_pays():
 
 
 def test_a_paused_sequence_probes_again_and_acceptance_is_decayed_counts():
-    # a probe every 3 paused rounds, whatever came of them
-    pacer = timed_pacer(2, 1.0, 1.0, 1.0, (0.0, 3.0), probe_every=3, backoff=1.0)
+    # a probe every 3 paused rounds, whatever came of them (no probe budget: the back-off alone)
+    pacer = timed_pacer(2, 1.0, 1.0, 1.0, (0.0, 3.0), probe_every=3, backoff=1.0, probe_budget=0.0)
     assert [pacer.drafts([0])[0] for _ in range(8)] == [False, False, False, True, False, False, False, True]
     pacer.record([0], torch.tensor([2]), torch.tensor([2]), draft_s=1.0, verify_s=1.0, rows=3)
     # counts decay by 0.97 per drafting round: accepted 0 * 0.97 + 2, rejected 3 * 0.97 + 0, each
@@ -146,7 +148,7 @@ def test_rounds_are_compared_over_the_same_span_and_a_resumed_round_never_raises
 def test_probes_that_find_drafting_still_not_paying_come_ever_later_until_one_pays():
     # backoff 2, probe_max 12: after probes that leave drafting not paying, 3, 6, 12, 12 paused rounds
     # come between them; a probe whose round makes drafting pay resets the interval to probe_every.
-    pacer = timed_pacer(1, 0.13, 1.0, 1.0, (0.0, 5.0), probe_every=3, backoff=2.0, probe_max=12)
+    pacer = timed_pacer(1, 0.13, 1.0, 1.0, (0.0, 5.0), probe_every=3, backoff=2.0, probe_max=12, probe_budget=0.0)
     gaps, paused = [], 0
     while len(gaps) < 4:
         if pacer.drafts([0])[0]:
@@ -271,7 +273,9 @@ def test_a_round_where_every_sequence_is_paused_runs_no_draft_forward(target, mo
     # probes every 4 paused rounds (no back-off): drafting rounds enough that the prompt's forward,
     # shared by all of them, weighs in both runs alike; no lookup guesses, which would change how
     # many rounds (and probes) the answer takes between the two runs
-    options = DecodeOptions(gamma=2, pace=True, pace_settings=PaceSettings(backoff=1.0), guesses=False)
+    options = DecodeOptions(
+        gamma=2, pace=True, pace_settings=PaceSettings(backoff=1.0, probe_budget=0.0), guesses=False
+    )
 
     def linear_calls_per_drafting_round(schedule) -> tuple[float, int]:
         monkeypatch.setattr(Pacer, "drafting_pays", lambda self, seq: next(schedule))
@@ -430,3 +434,79 @@ def test_lookup_rounds_and_guesses_after_a_chain_follow_the_cost_of_rows():
     # 0.1 s more where rows are cheap, 1.2 s where dear; only the cheap chain carries them
     assert cheap.forward(6) == pytest.approx(1.25) and dear.forward(6) == pytest.approx(4.0)
     assert cheap.chain_guesses(0, 3, 3) == 2 and dear.chain_guesses(0, 3, 3) == 0
+
+
+def test_a_probe_of_a_costly_draft_comes_only_as_often_as_its_loss_allows():
+    # gamma 3, a verification of 4 rows 1.15 s, a plain step 1.0 s; the draft never agrees (alpha
+    # 0.5 / 6.5: a drafting round emits 1.083 tokens). Drafting costs 1.5 s a round where each draft
+    # forward runs the target's own lower layers (0.5 s), 0.3 s for a small draft.
+    tau = expected_tokens(0.5 / 6.5, 3)
+    costly = timed_pacer(3, 1.5, 1.15, 1.0, (0.0, 5.0))
+    # a probe takes 2.65 s for what paused rounds emit in 1.083 s: 1.567 s lost, which within 2 % of
+    # the paused rounds' time (1.0 s each) needs 79 of them before it
+    assert costly.probe_loss(0) == pytest.approx(2.65 - tau) and costly.probe_interval(0) == 79
+    cheap = timed_pacer(3, 0.3, 1.15, 1.0, (0.0, 5.0))
+    assert cheap.probe_loss(0) == pytest.approx(1.45 - tau) and cheap.probe_interval(0) == 19
+    assert timed_pacer(3, 1.5, 1.15, 1.0, (0.0, 5.0), probe_budget=0.0).probe_interval(0) == 4  # the back-off
+    paying = timed_pacer(3, 0.3, 1.15, 1.0, (20.0, 1.0))
+    assert paying.probe_loss(0) == 0.0 and paying.probe_interval(0) == 4
+    with pytest.raises(DraftsmithError, match="probe_budget must be a share"):
+        PaceSettings(probe_budget=1.0)
+
+
+class CostClock:
+    """``time.perf_counter`` for the decoder's clock: a microsecond per read, plus the cost model's
+    seconds, which the wrapped verifier and drafter add: ``step`` a verification forward, ``row`` each
+    row past the first, ``draft`` each draft forward."""
+
+    def __init__(self, step: float, row: float, draft: float):
+        self.now, self.step, self.row, self.draft = 0.0, step, row, draft
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def verify(self, verify):
+        def priced(verifier, inputs, valid, reusable=None):
+            self.now += self.step + self.row * (inputs.shape[1] - 1)
+            return verify(verifier, inputs, valid, reusable)
+
+        return priced
+
+    def propose(self, propose):
+        def priced(drafter, sequences, budget, options, generator):
+            proposal = propose(drafter, sequences, budget, options, generator)
+            self.now += self.draft * proposal.steps
+            return proposal
+
+        return priced
+
+
+@pytest.mark.parametrize("kind", ["early_exit", "dflash", "lm"])
+def test_a_draft_that_does_not_pay_is_paused_to_within_three_percent_of_the_target_alone(target, monkeypatch, kind):
+    # Under a cost model where a draft forward costs half a target step (an early-exit draft running
+    # the target's own lower layers; a DFlash draft's block forward), an untrained draft never pays:
+    # after its first round it drafts only in probes, which come as seldom as their loss requires, and
+    # the rounds cost at most 3 % more than the target's own steps would (one step a token).
+    options = {"dflash": {"mask_token_id": 31}}
+    torch.manual_seed(0)
+    settings = DraftSettings(kind=kind, layers="1", options=options.get(kind, {}))
+    draft = KINDS[kind].build(settings, target, tiny_tokenizer(32), target.device).eval()
+    verifier, drafter = draft.decoding_pair(target, 1, 64, DecodeOptions()) if kind != "lm" else (None, None)
+    verifier_class = type(verifier) if verifier is not None else TargetVerifier
+    drafter_class = type(drafter) if drafter is not None else LMDrafter
+    clock = CostClock(step=1.0, row=0.05, draft=0.5)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    monkeypatch.setattr(verifier_class, "verify", clock.verify(verifier_class.verify))
+    monkeypatch.setattr(drafter_class, "propose", clock.propose(drafter_class.propose))
+    prompt = [[0, 5, 9, 4, 7, 3, 8]]
+    out, stats = speculative_generate(target, draft, prompt, 200, DecodeOptions(gamma=3, pace=True, guesses=False))
+    monkeypatch.undo()
+    assert out == target_generate(target, prompt, 200)[0]
+    rounds_s = stats.draft_time + stats.paused_draft_time + stats.verify_time + stats.other_time
+    target_s = stats.round_tokens * 1.0  # the target alone: one step a token after the prompt's
+    drafting = stats.rounds - stats.paused
+    # 4 drafting rounds of 199 (early exit, lm: 0.99 and 0.98 of the target's time), 9 of a DFlash
+    # draft, whose block forward costs one draft forward and so loses less a probe (0.97)
+    assert stats.paused / stats.rounds > 0.95 and drafting <= 10, kind
+    assert target_s / rounds_s >= 0.97, kind
