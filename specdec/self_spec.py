@@ -17,7 +17,7 @@ exactly the target's: the output is the target's (greedy identical, sampling exa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -38,17 +38,32 @@ def run_layers(
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hidden states (B, Q, H) through the decoder layers ``layers`` of ``model``, writing their cache."""
-    decoder = model.get_decoder()
+    modules = model.get_decoder().layers[layers.start : layers.stop]
+    return run_modules(model, modules, layers.start, hidden, position_ids, cache, attention_mask)
+
+
+def run_modules(
+    model: PreTrainedModel,
+    modules: Sequence[torch.nn.Module],
+    first: int,
+    hidden: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Cache | None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Hidden states (B, Q, H) through decoder layers ``modules`` of ``model``'s architecture whose cache
+    indices start at ``first`` (its own layers, or a draft's layer beside them), with ``model``'s causal
+    mask and rotary embedding, writing their cache."""
     mask = create_causal_mask(
         config=model.config,
         inputs_embeds=hidden,
         attention_mask=attention_mask,
         cache=cache,
         position_ids=position_ids,
-        layer_idx=layers.start,
+        layer_idx=first,
     )
-    rotary = decoder.rotary_emb(hidden, position_ids=position_ids)
-    for layer in decoder.layers[layers.start : layers.stop]:
+    rotary = model.get_decoder().rotary_emb(hidden, position_ids=position_ids)
+    for layer in modules:
         hidden = layer(
             hidden,
             attention_mask=mask,

@@ -25,7 +25,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Generator, nn
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from draftsmith.distill.drafts.kind import (
@@ -48,7 +47,7 @@ from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.matmul import use_column_products
 from draftsmith.specdec.measure.report import PairReport
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.self_spec import UpperLayersVerifier, crop_to, run_layers, two_rows
+from draftsmith.specdec.self_spec import UpperLayersVerifier, crop_to, run_layers, run_modules, two_rows
 from draftsmith.specdec.stream import decoding_threads, needs_row_padding, standard_strides_into_head
 from draftsmith.specdec.tree import TreeShape
 from draftsmith.specdec.tree_drafting import Tree
@@ -100,16 +99,6 @@ class EarlyExitDraft(DraftModel):
         """Route the exit logits through ``head``; setting the target's own head again restores it."""
         object.__setattr__(self, "head", None if head is self.target.get_output_embeddings() else head)
 
-    def _mask(self, embeds, attention_mask, cache, position_ids, layer_idx):
-        return create_causal_mask(
-            config=self.target.config,
-            inputs_embeds=embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-            layer_idx=layer_idx,
-        )
-
     def lower(self, input_ids, position_ids, cache: Cache | None, attention_mask=None) -> torch.Tensor:
         """Hidden states after the target's layers 0..k-1 (B, Q, H); writes those layers' cache."""
         hidden = self.target.get_decoder().embed_tokens(input_ids)
@@ -128,16 +117,10 @@ class EarlyExitDraft(DraftModel):
 
         with_head=False only updates the adapter's cache (a token the draft must see but not predict from).
         """
-        if self.adapter is not None:
-            mask = self._mask(hidden, attention_mask, cache, position_ids, self.config.num_hidden_layers - 1)
-            rotary = self.target.get_decoder().rotary_emb(hidden, position_ids=position_ids)
-            hidden = self.adapter(
-                hidden,
-                attention_mask=mask,
-                position_embeddings=rotary,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=cache is not None,
+        if self.adapter is not None:  # its cache index is L, after the target's layers
+            adapter_index = self.config.num_hidden_layers - 1
+            hidden = run_modules(
+                self.target, [self.adapter], adapter_index, hidden, position_ids, cache, attention_mask
             )
         if not with_head:
             return None
