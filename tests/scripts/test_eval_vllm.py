@@ -15,6 +15,7 @@ from draftsmith.cli import main
 from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec.loading import DEFAULT_TARGET, load_model, load_tokenizer
 from draftsmith.specdec.vllm_server import ENGINE_VARIABLE
+from draftsmith.train.batch_schedule import schedule_ranges
 from draftsmith.train.checkpoint import begin, commit, write_draft
 from draftsmith.train.config import DistillConfig, save_config
 
@@ -112,3 +113,24 @@ def test_eval_run_measures_the_best_draft_in_the_engine_too(engine, tmp_path, ca
     written = (run / "engine_report.md").read_text()
     assert written.startswith("# initial in vLLM, beside the bundled decoder")
     assert "vs the bundled decoder, gamma 2" in capsys.readouterr().out
+
+
+@pytest.mark.vllm
+def test_eval_chooses_the_gamma_at_each_batch_size_in_the_engine_too(engine, tmp_path, capsys):
+    out = tmp_path / "schedule.json"
+    argv = ["eval", "--draft", "truncate:2", "--batch-sizes", "2", "--gammas", "1,2", "--json", str(out)]
+    assert main([*argv, *ENGINE, *SMALL]) == 0
+    report = json.loads(out.read_text())
+    vllm = report["engine_schedule"]
+    assert (vllm["engine"], vllm["dtype"], vllm["gammas"], vllm["draft"]) == ("vllm", "float32", [1, 2], "truncate:2")
+    assert sorted(vllm["by_batch_size"]) == ["1", "2"] and sorted(report["by_batch_size"]) == ["1", "2"]
+    for entry in vllm["by_batch_size"].values():
+        speedups = entry["speedup_by_gamma"]
+        assert sorted(speedups) == ["1", "2"] and entry["best_gamma"] == int(max(speedups, key=speedups.get))
+        assert entry["speedup"] == speedups[str(entry["best_gamma"])]
+        assert entry["gamma"] == (entry["best_gamma"] if entry["speedup"] >= 1.0 else 0)
+        assert entry["greedy_match"] == 1.0 and entry["prompts"] == 2
+    gammas = {int(size): entry["gamma"] for size, entry in vllm["by_batch_size"].items()}
+    assert vllm["num_speculative_tokens_per_batch_size"] == [list(r) for r in schedule_ranges(gammas)]
+    printed = capsys.readouterr().out
+    assert "float32: the fastest gamma at each batch size" in printed and "batch 2: gamma 1: " in printed
