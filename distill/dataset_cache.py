@@ -172,8 +172,9 @@ def engine_cache_writer(server: Server, fmt: StoreFormat, concurrency: int = 64)
 def derive_cache(folder: Path, source: Path, fmt: StoreFormat, command: str) -> Path:
     """A smaller cache of ``folder`` made from its complete cache ``source`` (another folder's copy of
     the same dataset's cache serves too): the first ``fmt.top_k`` columns of its entries (sorted, most
-    likely first: the top-k of the same forward), kept in ``fmt.encoding``. command: the one that
-    computes the derived cache itself, recorded in its ``cache.json``."""
+    likely first: the top-k of the same forward), kept in ``fmt.encoding`` (its values rounded twice: by
+    the source's encoding, then by this one). command: the one that computes the derived cache itself,
+    recorded in its ``cache.json``."""
     record = json.loads((source / RECORD).read_text())
     if fmt.top_k > record["top_k"]:
         raise DraftsmithError(f"{source} keeps top-{record['top_k']}: it cannot give top-{fmt.top_k}")
@@ -191,7 +192,8 @@ def derive_cache(folder: Path, source: Path, fmt: StoreFormat, command: str) -> 
         made_by = {"target": record["target"], "dtype": record["dtype"], "content": meta["content"]}
         made_by |= {**fmt.describe(), "derived_from": source.name}
         teacher_cache.write_meta(out / shard.name, meta["examples"], meta["tokens"], fmt.top_k, 0, made_by)
-    record |= {"top_k": fmt.top_k, "encoding": asdict(fmt.encoding), "command": command, "derived_from": source.name}
+    derived_from = {"cache": source.name, "encoding": record["encoding"]}  # its rounding adds to this one's
+    record |= {"top_k": fmt.top_k, "encoding": asdict(fmt.encoding), "command": command, "derived_from": derived_from}
     write_text(out / RECORD, json.dumps(record, indent=2) + "\n")
     return out
 

@@ -3,7 +3,8 @@
 Converts SmolLM2-135M-Instruct (once), builds a draft from its first layers, distills it on the
 shipped dataset of the target's own answers (smollm2-self; the shipped config smollm2-135m) for a
 budget of training minutes (--minutes: the run plans its steps from the step time it measures, so
-the job takes about as long on a fast machine as on a slow one), measures every checkpoint's real
+the job takes about as long on a fast machine as on a slow one; every step reads the target's top-k
+log-probs that ship with the dataset, so no training minute runs the target), measures every checkpoint's real
 speedup on held-out prompts side by side with the target alone, publishes the best draft, and prints
 a before/after table. Re-running it resumes: finished steps are not repeated. Works from any folder.
 """
