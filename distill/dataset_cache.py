@@ -229,6 +229,14 @@ def dataset_entries(
     and covers every example, float16 log-probs before uint8 at one K; None when there is none (a cache
     carried but not serving is named, with why, in one line on stderr)."""
     carried = carried_caches(folder)
+    unfinished = [path.name for path in sorted(Path(folder).glob("teacher-cache-k*")) if not (path / RECORD).is_file()]
+    if unfinished and not carried:  # an interrupted build, or one by a draftsmith before cache.json
+        print(
+            f"teacher cache: {folder} has {', '.join(unfinished)} without {RECORD} (unfinished, or made before "
+            "caches recorded how they were made): not read; `draftsmith data --output FOLDER --cache-only "
+            "--teacher-cache K` finishes it",
+            file=sys.stderr,
+        )
     manifest = manifest_digest(folder)
     reasons = {path: why_not_served(record, dtype, top_k, max_length, manifest) for path, record in carried}
     serving = [(path, record) for path, record in carried if reasons[path] is None]

@@ -100,6 +100,14 @@ def test_every_row_is_cached_whole_and_a_run_reads_it_cut_to_its_examples(tmp_pa
         assert torch.equal(ids, want_ids)
         assert torch.allclose(logps.double(), want_logps, atol=2e-3)  # stored as float16
 
+    # Without cache.json (a build killed before its end, or one made before caches recorded their making)
+    # it is not read, and the run says so.
+    (cache_folder(folder, fmt) / "cache.json").rename(tmp_path / "cache.json")
+    capsys.readouterr()
+    assert dataset_entries(folder, examples, "float32", top_k=5, max_length=10) is None
+    assert "has teacher-cache-k8 without cache.json" in capsys.readouterr().err
+    (tmp_path / "cache.json").rename(cache_folder(folder, fmt) / "cache.json")
+
     # Computed in float32, it serves a bfloat16 teacher too (the dtype matters for a forward only); more
     # tokens per position than it keeps: the run's target teaches, and the run says why in one line.
     assert dataset_entries(folder, examples, "bfloat16", top_k=5, max_length=10)[1] == served_by
