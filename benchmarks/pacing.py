@@ -309,7 +309,7 @@ def timed(target, draft, prompts, categories, eos, args) -> dict:
     return {"speedup": result, "greedy_match": identical}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", required=True, help="a trained draft folder (a kind that decodes as an LM)")
     p.add_argument(
@@ -358,8 +358,26 @@ def main() -> None:
         "about a second, so one category can take many repeats",
     )
     p.add_argument("--name", default="pacing", help="results/NAME.json (default: pacing)")
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def replay_variants(traces: dict, args: argparse.Namespace, pause: float) -> dict:
+    """Every pacing rule replayed over the traces under the cost model (plus never pausing, and the
+    pacer without guesses), printed per category as speedup (paused share)."""
+    replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None, pause)}
+    for name, settings in VARIANTS.items():
+        make = lambda s=settings: Pacer(args.gamma, 1, s, args.guess_tokens)  # noqa: E731
+        replayed[name] = replay_all(traces, args.gamma, args.c, args.v, make, pause, row=args.row)
+    make = lambda: Pacer(args.gamma, 1, PaceSettings(), args.guess_tokens)  # noqa: E731
+    replayed["pacer, no guesses"] = replay_all(traces, args.gamma, args.c, args.v, make, pause, guesses=False)
+    for name, by_category in replayed.items():
+        cells = (f"{k} {r['speedup']:.3f} ({r['paused_share']:.2f})" for k, r in by_category.items())
+        print(f"{name:>14}: " + "  ".join(cells))
+    return replayed
+
+
+def main() -> None:
+    args = parse_args()
     dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
     target, tokenizer, eos = default_target(dtype=dtype)
     draft = decoding_draft(Path(args.draft), target, eos)
@@ -392,15 +410,7 @@ def main() -> None:
 
     # a round without drafts costs what the decoder's paused rounds cost: a row-exact step, v
     pause = args.v if args.exact_pauses else 1.0
-    replayed = {"never paused": replay_all(traces, args.gamma, args.c, args.v, lambda: None, pause)}
-    for name, settings in VARIANTS.items():
-        make = lambda s=settings: Pacer(args.gamma, 1, s, args.guess_tokens)  # noqa: E731
-        replayed[name] = replay_all(traces, args.gamma, args.c, args.v, make, pause, row=args.row)
-    make = lambda: Pacer(args.gamma, 1, PaceSettings(), args.guess_tokens)  # noqa: E731
-    replayed["pacer, no guesses"] = replay_all(traces, args.gamma, args.c, args.v, make, pause, guesses=False)
-    for name, by_category in replayed.items():
-        cells = (f"{k} {r['speedup']:.3f} ({r['paused_share']:.2f})" for k, r in by_category.items())
-        print(f"{name:>14}: " + "  ".join(cells))
+    replayed = replay_variants(traces, args, pause)
     result = {
         "draft": args.draft,
         "prompts": str(args.prompts),

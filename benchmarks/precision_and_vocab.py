@@ -29,6 +29,22 @@ from draftsmith.specdec.loading import load_model
 from draftsmith.specdec.options import DecodeOptions
 
 
+def print_result(result: dict, vocab: int, gamma: int, alpha: dict) -> None:
+    """The ratios, the acceptance and greedy identity, one line each."""
+    print()
+    print(f"target-only tokens/s, bfloat16 / float32:                    {result['bf16_vs_fp32_target']:.2f}x")
+    print(f"target-only, one-row steps / row-exact two-row steps:        {result['row_exact_cost']:.3f}x")
+    print(f"speculative / target-only, float32:                          {result['speedup_fp32']:.2f}x")
+    print(f"speculative / target-only, bfloat16:                         {result['speedup_bf16']:.2f}x")
+    print(f"speculative / target-only, bfloat16, head cut to {vocab}:   {result['speedup_bf16_cut_head']:.2f}x")
+    print(
+        "the same, against the (not row-exact) one-row target-only decoder: "
+        f"{result['speedup_bf16_cut_head_vs_one_row_target']:.2f}x"
+    )
+    print(f"alpha at gamma {gamma}: " + ", ".join(f"{k} {v:.3f}" for k, v in alpha.items()))
+    print("greedy output identical to the same dtype's target-only decoder: " + str(result["identical"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a trained draft: checkpoint folder inside a run folder")
@@ -106,18 +122,7 @@ def main() -> None:
         repeats=args.repeats,
         torch_threads=torch.get_num_threads(),
     )
-    print()
-    print(f"target-only tokens/s, bfloat16 / float32:                    {result['bf16_vs_fp32_target']:.2f}x")
-    print(f"target-only, one-row steps / row-exact two-row steps:        {result['row_exact_cost']:.3f}x")
-    print(f"speculative / target-only, float32:                          {result['speedup_fp32']:.2f}x")
-    print(f"speculative / target-only, bfloat16:                         {result['speedup_bf16']:.2f}x")
-    print(f"speculative / target-only, bfloat16, head cut to {len(ranking)}:   {result['speedup_bf16_cut_head']:.2f}x")
-    print(
-        "the same, against the (not row-exact) one-row target-only decoder: "
-        f"{result['speedup_bf16_cut_head_vs_one_row_target']:.2f}x"
-    )
-    print(f"alpha at gamma {args.gamma}: " + ", ".join(f"{k} {v:.3f}" for k, v in alpha.items()))
-    print("greedy output identical to the same dtype's target-only decoder: " + str(result["identical"]))
+    print_result(result, len(ranking), args.gamma, alpha)
     save("precision_and_vocab", result)
 
 

@@ -517,13 +517,15 @@ def feature_store(args: argparse.Namespace, model, dtype: str, output: Path, gro
     examples, folder, _ = store_plan(args, dtype, output)
     if (folder / "meta.json").is_file():
         return folder
-    pad = model.config.pad_token_id or 0
-    return teacher_cache.build(
-        model, examples, folder, args.teacher_cache, args.batch_size, args.shard_rows, pad_id=pad,
-        progress=group.is_main and not args.no_progress, layers=hidden_layers(args),
-        hidden_dtype=teacher_cache.STORAGE_DTYPES[args.store_dtype], part=(group.index, group.count),
-        barrier=group.barrier, target_key=teacher_cache.DATASET_TARGET,
-    )  # fmt: skip
+    fmt = StoreFormat(
+        args.teacher_cache,
+        tuple(hidden_layers(args)),
+        teacher_cache.STORAGE_DTYPES[args.store_dtype],
+        shard_rows=args.shard_rows,
+    )
+    progress = group.is_main and not args.no_progress
+    target_key = teacher_cache.DATASET_TARGET
+    return teacher_cache.build(model, examples, folder, fmt, group, args.batch_size, progress, target_key)
 
 
 def vllm_feature_store(args: argparse.Namespace, options: ServeOptions, dtype: torch.dtype, output: Path) -> Path:

@@ -63,51 +63,10 @@ example:
   draftsmith eval --target smollm2-135m-instruct --draft truncate:4 --prompts prompts.jsonl --json out.json"""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="draftsmith eval",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[
-            prompt_options(),
-            device_options(),
-            draft_vocab_option(default=None),
-            progress_option(),
-            pace_option(),
-            draft_option_args(),
-            engine_eval_options(),
-            batch_size_options(),
-        ],
-    )
-    p.add_argument(
-        "--target",
-        default=DEFAULT_TARGET,
-        help=f"model folder, .gguf file, hub id, or alias (default: {DEFAULT_TARGET})",
-    )
-    p.add_argument(
-        "--draft",
-        required=True,
-        help="draft model folder / .gguf / hub id, or an untrained draft a kind names: "
-        + "; ".join(kind.spec_help for kind in KINDS.values() if kind.spec_help),
-    )
-    p.add_argument(
-        "--gamma",
-        type=int,
-        default=None,
-        help="draft tokens per round (default: the draft folder's generation_config.json num_assistant_tokens "
-        f"with the constant schedule, as publish writes it; else {GAMMA})",
-    )
-    p.add_argument(
-        "--tree",
-        default=None,
-        metavar="SHAPE",
-        help="draft a token tree each round instead of a chain, verified in one target forward: children per "
-        "depth (3,2,1,1: the draft's 3 likeliest first tokens, 2 after each, ...; 21 nodes), or SHAPE:BUDGET for "
-        "a dynamic tree keeping the BUDGET likeliest nodes (3,2,2,1:12). Batch 1 only. Default: the draft "
-        "folder's generation_config.json draftsmith.tree (publish writes it when a tree measured fastest) "
-        "unless --gamma is given; else a chain",
-    )
+def decoding_options() -> argparse.ArgumentParser:
+    """How the pair decodes: sampling, repeats, batch size, turns, dynamic gamma, pauses, lookup guesses,
+    cache kind, product form and compilation."""
+    p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="top-k filtering when sampling (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering when sampling (1.0 = off)")
@@ -172,6 +131,55 @@ def build_parser() -> argparse.ArgumentParser:
         "compile time reported apart (default: on with CUDA; off on CPUs, where compiling the default pair "
         "took 3 minutes for 1.1x faster steps; "
         "token trees and early-exit drafts sharing the target's cache decode eager)",
+    )
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="draftsmith eval",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[
+            prompt_options(),
+            device_options(),
+            draft_vocab_option(default=None),
+            progress_option(),
+            pace_option(),
+            draft_option_args(),
+            engine_eval_options(),
+            batch_size_options(),
+            decoding_options(),
+        ],
+    )
+    p.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help=f"model folder, .gguf file, hub id, or alias (default: {DEFAULT_TARGET})",
+    )
+    p.add_argument(
+        "--draft",
+        required=True,
+        help="draft model folder / .gguf / hub id, or an untrained draft a kind names: "
+        + "; ".join(kind.spec_help for kind in KINDS.values() if kind.spec_help),
+    )
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="draft tokens per round (default: the draft folder's generation_config.json num_assistant_tokens "
+        f"with the constant schedule, as publish writes it; else {GAMMA})",
+    )
+    p.add_argument(
+        "--tree",
+        default=None,
+        metavar="SHAPE",
+        help="draft a token tree each round instead of a chain, verified in one target forward: children per "
+        "depth (3,2,1,1: the draft's 3 likeliest first tokens, 2 after each, ...; 21 nodes), or SHAPE:BUDGET for "
+        "a dynamic tree keeping the BUDGET likeliest nodes (3,2,2,1:12). Batch 1 only. Default: the draft "
+        "folder's generation_config.json draftsmith.tree (publish writes it when a tree measured fastest) "
+        "unless --gamma is given; else a chain",
     )
     p.add_argument(
         "--compare-hf",

@@ -151,7 +151,9 @@ def test_publish_carries_a_chosen_tree_and_eval_on_the_folder_decodes_with_it(me
     run = chosen(run_dir, tmp_path, "3,1")
     assert main(["publish", str(run / "checkpoint-2"), "--out", str(tmp_path / "draft")]) == 0
     gamma = json.loads((run / "speedup_report.json").read_text())["results"]["checkpoint-2"]["0.0"]["best_gamma"]
-    assert json.loads((tmp_path / "draft" / "generation_config.json").read_text())["draftsmith"] == {"tree": "3,1"}
+    carried = json.loads((tmp_path / "draft" / "generation_config.json").read_text())["draftsmith"]
+    assert carried["tree"] == "3,1"  # beside the gamma per batch size every published folder carries
+    assert set(carried) == {"tree", "num_speculative_tokens_per_batch_size"}
     # transformers' assisted generation still drafts the measured chain.
     config = GenerationConfig.from_pretrained(tmp_path / "draft")
     assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (gamma, "constant")
@@ -172,7 +174,8 @@ def test_publish_of_a_chain_choice_writes_no_tree(measured_run, tmp_path):
     run_dir, target = measured_run
     run = chosen(run_dir, tmp_path, None)
     assert main(["publish", str(run / "checkpoint-2"), "--out", str(tmp_path / "draft")]) == 0
-    assert "draftsmith" not in json.loads((tmp_path / "draft" / "generation_config.json").read_text())
+    carried = json.loads((tmp_path / "draft" / "generation_config.json").read_text())["draftsmith"]
+    assert set(carried) == {"num_speculative_tokens_per_batch_size"}  # no tree
     common = ["eval", "--target", str(target), "--draft", str(tmp_path / "draft"), *MEASURE, "--repeats", "1"]
     assert main([*common, "--json", str(tmp_path / "a.json")]) == 0
     report = json.loads((tmp_path / "a.json").read_text())
