@@ -20,6 +20,7 @@ from draftsmith.eval_batch_sizes import (
     check_batch_size_options,
     format_batch_sizes,
     measure_batch_sizes,
+    measure_settings,
 )
 from draftsmith.options import GAMMA, device_options, draft_vocab_option, pace_option, progress_option, prompt_options
 from draftsmith.specdec import draft_vocab
@@ -41,7 +42,7 @@ from draftsmith.specdec.measure import machine
 from draftsmith.specdec.measure.hf_compare import HFComparison
 from draftsmith.specdec.measure.pair import evaluate_pair
 from draftsmith.specdec.measure.report import PairReport
-from draftsmith.specdec.measure.settings import MeasureSettings, measuring_dtype
+from draftsmith.specdec.measure.settings import measuring_dtype
 from draftsmith.specdec.measure.tables import format_table
 from draftsmith.specdec.options import DecodeOptions
 from draftsmith.specdec.prompts import read_prompts
@@ -363,16 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = eval_dtype(args, device)
     tokenizer, target, draft, kind = load_pair(args, device, dtype)
     kind.check_decode_options(options.draft_options)
-    settings = MeasureSettings(
-        prompts,
-        options=options,
-        max_new_tokens=args.max_new_tokens,
-        eos_ids=eos_token_ids(target, tokenizer),
-        seed=args.seed,
-        repeats=args.repeats,
-        batch_size=args.batch_size,
-        progress=not args.no_progress,
-    )
+    settings = measure_settings(args, prompts, options, eos_token_ids(target, tokenizer), args.batch_size)
     if engine_batch_sizes:  # --engine vllm: the pair in vLLM beside the bundled decoder
         report = engine_report(
             args,

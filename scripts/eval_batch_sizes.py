@@ -36,6 +36,22 @@ REPLACED = {
 }
 
 
+def measure_settings(
+    args: argparse.Namespace, prompts: list[Prompt], options: DecodeOptions, eos_ids, batch_size: int = 1
+) -> MeasureSettings:
+    """What ``eval`` measures, from its arguments: ``options`` over ``prompts``, ``batch_size`` together."""
+    return MeasureSettings(
+        prompts,
+        options=options,
+        max_new_tokens=args.max_new_tokens,
+        eos_ids=eos_ids,
+        seed=args.seed,
+        repeats=args.repeats,
+        batch_size=batch_size,
+        progress=not args.no_progress,
+    )
+
+
 def batch_size_options() -> argparse.ArgumentParser:
     """--batch-sizes and the --gammas it chooses from."""
     p = argparse.ArgumentParser(add_help=False)
@@ -83,15 +99,7 @@ def measure_batch_sizes(
         dtype = measuring_dtype(args.dtype, resolved, size)
         pairs[dtype] = pairs.get(dtype) or load(dtype)
         tokenizer, target, draft = pairs[dtype]
-        settings = MeasureSettings(
-            prompts,
-            options=options,
-            max_new_tokens=args.max_new_tokens,
-            eos_ids=eos_token_ids(target, tokenizer),
-            seed=args.seed,
-            repeats=args.repeats,
-            progress=not args.no_progress,
-        )
+        settings = measure_settings(args, prompts, options, eos_token_ids(target, tokenizer))
         print(f"choosing the gamma at batch size {size} ({str(dtype).removeprefix('torch.')})")
         entries[str(size)] = speedup.measure_batch_size(target, draft, tokenizer, settings, gammas, size)
     report = {
