@@ -196,12 +196,24 @@ def main() -> None:
         help="go on with the run whose results file and --out are there (same settings): keep its finished kinds",
     )
     parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every kind's run (draft.layers=0,29); repeatable; recorded in the results",
+    )
+    parser.add_argument(
+        "--name",
+        help="results file name under benchmarks/results (default kind_curves, kind_curves_smoke with --smoke)",
+    )
+    parser.add_argument(
         "--table",
         action="store_true",
         help="print the results file (or --smoke's) as a markdown table and draw its plot again; run nothing",
     )
     args = parser.parse_args()
-    name = "kind_curves_smoke" if args.smoke else "kind_curves"
+    name = args.name or ("kind_curves_smoke" if args.smoke else "kind_curves")
     if args.table:
         results = json.loads((RESULTS / f"{name}.json").read_text())
         print(table(results))
@@ -210,7 +222,8 @@ def main() -> None:
     budgets = sorted(float(b) for b in args.budgets.split(","))
     if args.smoke:
         budgets, args.prompts, args.max_new_tokens, args.repeats, args.gammas = [0.02, 0.05], 2, 16, 1, [1, 2]
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "table")} | {"budgets": budgets}
+    kept_out = ("out", "resume", "table", "name")
+    settings = {k: v for k, v in vars(args).items() if k not in kept_out} | {"budgets": budgets}
     settings["steps"] = "planned for the largest budget"  # as optim.max_minutes plans them, max_steps uncapped
     dtype = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
     dtype_name = str(dtype).removeprefix("torch.")
@@ -228,7 +241,7 @@ def main() -> None:
             print(f"{kind}: the earlier run stopped while training it; starting it again")
             shutil.rmtree(args.out / kind)
         config, overrides = kind_config(kind, args.smoke)
-        overrides = [*overrides, f"optim.max_minutes={budgets[-1]}", f"optim.max_steps={UNCAPPED}"]
+        overrides = [*overrides, *args.overrides, f"optim.max_minutes={budgets[-1]}", f"optim.max_steps={UNCAPPED}"]
         cfg = load_config(DistillConfig, str(config), [*overrides, f"output_dir={args.out / kind}"])
         if cfg.teacher.cache and cfg.teacher.cache_fill != "before":  # every store built before the budget starts
             overrides.append("teacher.cache_fill=before")

@@ -39,7 +39,7 @@ from draftsmith.specdec.drafters import Drafter, LMDrafter, PairedDraft, Proposa
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.lookup import STRONG_NGRAM, lookup_continuation, with_guesses
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.pacing import Pacer
+from draftsmith.specdec.pacing import PaceMemory, Pacer, memory_of
 from draftsmith.specdec.sampling import choose_token
 from draftsmith.specdec.stream import ModelStream, decoding_threads, left_pad
 from draftsmith.specdec.tree_drafting import accept_tree, kept_rows
@@ -255,7 +255,8 @@ def speculative_generate(
         pacer = None
         if options.pace and options.tree is None:
             most = options.guess_tokens if guessing else 0
-            pacer = Pacer(options.gamma, batch, options.pace_settings, most, forced=options.guesses is True)
+            memory = remembered(target, draft, options) if options.pace_settings.remember else None
+            pacer = Pacer(options.gamma, batch, options.pace_settings, most, options.guesses is True, memory)
         progress = Progress(out, stats, clock, generator, device, pacer, guessing)
         while live := _drop_finished(out, live, [verifier, drafter], device):
             if options.tree is not None:  # the same four steps over a token tree (tree_drafting)
@@ -264,6 +265,13 @@ def speculative_generate(
             _chain_round(progress, live, verifier, drafter, options)
     stats.total_time = clock.total()
     return out.tokens, stats
+
+
+def remembered(target: PreTrainedModel, draft: torch.nn.Module, options: DecodeOptions) -> PaceMemory:
+    """What the pacers of earlier calls decoding ``target`` with ``draft`` learned, under the options
+    that change a round's costs."""
+    costs = (options.gamma, options.guess_tokens, options.exact_pauses, options.compile, str(target.dtype))
+    return memory_of(draft, target, (*costs, repr(sorted(options.draft_options.items()))))
 
 
 @dataclass

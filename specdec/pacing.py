@@ -42,6 +42,8 @@ with the target, the guesses win.
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +99,9 @@ class PaceSettings:
     arrives with the first proposal, where 0/1 outcomes need several rounds to tell 0.07 from 0.3.
     guess_misses: the rounds without a kept guess a sequence's guess gain starts from (``guess_gain``),
     so that a lucky first guess or two on a short answer do not pause a draft for guesses that seldom pay.
+    remember: a call's pacer starts from what the pacers of earlier calls with the same draft and
+    target learned (``PaceMemory``): the round timings, and how often the target kept the tokens the
+    draft was sure of. False: every call starts knowing nothing.
 
     The defaults were chosen by replaying the pacer over greedy agreement traces of a trained draft on
     held-out prompts and over synthetic ones of fixed acceptance (``benchmarks/pacing.py``): the
@@ -115,6 +120,7 @@ class PaceSettings:
     probe_max: int = 32
     probe_budget: float = 0.02
     guess_misses: float = 1.0
+    remember: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -166,17 +172,81 @@ class GuessGain:
 
 
 @dataclass
+class Timings:
+    """A pacer's clock laps (``Pacer.draft_s``, ``idle_s``, ``forward_s``), kept where a later call's
+    pacer of the same batch size finds them."""
+
+    draft_s: Average = field(default_factory=Average)
+    idle_s: Average = field(default_factory=Average)
+    forward_s: dict[int, Average] = field(default_factory=dict)
+
+
+CALIBRATED_AFTER = 32  # judged draft tokens before the draft's confidence is scaled by what was kept
+
+
+@dataclass
+class PaceMemory:
+    """What the pacers of earlier decoding calls of one draft and target learned, which the next call's
+    pacer starts from instead of nothing (``PaceSettings.remember``).
+
+    A call's pacer otherwise spends its first rounds timing a plain step and a drafting round before it
+    can compare them, and takes the draft's probability of its tokens for their acceptance until a
+    sequence's own rounds overrule it. On a short answer those rounds are a large share of it, and a
+    draft sure of tokens the target does not keep (a topic it saw little of) drafts on at a loss.
+    Remembered: the timings per batch size (a pacer shares them, so every round of every call adds to
+    them), and the draft's summed probability of the tokens verification judged (``sure``) against the
+    count of those the target kept (``kept``): the ratio scales a sequence's confidence prior once
+    ``CALIBRATED_AFTER`` tokens were judged. Text-specific estimates (a sequence's acceptance, its
+    lookup-guess gains) start afresh: the next call's text is another."""
+
+    timings: dict[int, Timings] = field(default_factory=dict)
+    sure: float = 0.0
+    kept: float = 0.0
+    judged: int = 0
+
+    def calibration(self) -> float:
+        """How the target's kept share of the draft's judged tokens compares with the draft's summed
+        probability of them (1 until ``CALIBRATED_AFTER`` were judged)."""
+        return self.kept / self.sure if self.judged >= CALIBRATED_AFTER and self.sure > 0 else 1.0
+
+    def record(self, sure: list[float], kept: int) -> None:
+        """A sequence's judged tokens in one round: the draft's probability of each, ``kept`` of them kept."""
+        self.sure += sum(sure)
+        self.kept += min(kept, len(sure))
+        self.judged += len(sure)
+
+
+# draft -> target -> the decoding settings that change a round's costs -> what their calls learned;
+# a memory goes with its models
+_MEMORIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def memory_of(draft: torch.nn.Module, target: torch.nn.Module, settings: Hashable) -> PaceMemory:
+    """The ``PaceMemory`` of the calls that decode ``target`` with ``draft`` under ``settings`` (what
+    changes a round's costs: gamma, compilation, the draft's options, the dtype), new on the first."""
+    by_target = _MEMORIES.setdefault(draft, weakref.WeakKeyDictionary())
+    return by_target.setdefault(target, {}).setdefault(settings, PaceMemory())
+
+
+def forget() -> None:
+    """Drop every ``PaceMemory``: the next call of every pair starts knowing nothing."""
+    _MEMORIES.clear()
+
+
+@dataclass
 class Pacer:
     """Which sequences of one decoding call draft in the next round, and how many lookup guesses each
     round verifies: ``gamma`` draft tokens per drafting round, ``batch_size`` sequences, deciding as
     ``settings`` say; ``guess_tokens``: the most guess tokens a round verifies (0: none);
-    ``forced``: verify every guess found, whatever the rows cost (``DecodeOptions.guesses=True``)."""
+    ``forced``: verify every guess found, whatever the rows cost (``DecodeOptions.guesses=True``);
+    ``memory``: what earlier calls of the same pair learned, which this pacer starts from and adds to."""
 
     gamma: int
     batch_size: int
     settings: PaceSettings = PaceSettings()
     guess_tokens: int = 0
     forced: bool = False
+    memory: PaceMemory | None = None
     accepted: list[float] = field(init=False)  # decayed accepted draft tokens, per sequence
     rejected: list[float] = field(init=False)  # decayed rejections, per sequence
     paused_for: list[int] = field(init=False)  # paused rounds in a row, per sequence
@@ -202,6 +272,9 @@ class Pacer:
         self.gains = [GuessGain.empty(self.guess_tokens) for _ in range(self.batch_size)]
         self.strong_gains = [GuessGain.empty(self.guess_tokens) for _ in range(self.batch_size)]
         self.pending = [[] for _ in range(self.batch_size)]
+        if self.memory is not None:
+            kept = self.memory.timings.setdefault(self.batch_size, Timings())
+            self.draft_s, self.idle_s, self.forward_s = kept.draft_s, kept.idle_s, kept.forward_s
 
     def prior(self, seq: int) -> tuple[float, float]:
         """The (accepted, rejected) counts ``seq``'s estimate starts from: the fixed prior, or with
@@ -211,6 +284,8 @@ class Pacer:
         if weight == 0 or self.judged[seq] == 0:
             return self.settings.prior
         sure = self.sure[seq] / self.judged[seq]
+        if self.memory is not None:
+            sure = min(1.0, sure * self.memory.calibration())
         return weight * sure, weight * (1 - sure)
 
     def alpha(self, seq: int) -> float:
@@ -407,3 +482,5 @@ class Pacer:
                 judged = sure[row][: min(kept + 1, offered)]
                 self.sure[seq] = decay * self.sure[seq] + sum(judged)
                 self.judged[seq] = decay * self.judged[seq] + len(judged)
+                if self.memory is not None:
+                    self.memory.record(judged, kept)

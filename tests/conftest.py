@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from draftsmith.specdec.errors import DraftsmithError
+from draftsmith.specdec.pacing import forget
 from draftsmith.specdec.vllm_server import find_engine
 from draftsmith.train.cpu_setup import usable_cpus
 
@@ -89,6 +90,15 @@ def native_bfloat16(request, monkeypatch) -> bool:
     for module in (loading, stream):  # stream holds its own reference to the function
         monkeypatch.setattr(module, "cpu_has_native_bfloat16", lambda: request.param)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def pacers_start_knowing_nothing():
+    """Each test's decoding calls start without what an earlier test's pacers learned of the same
+    models (``pacing.PaceMemory``): a test that fakes the clock must not read another's seconds."""
+    forget()
+    yield
+    forget()
 
 
 @pytest.fixture(scope="module")

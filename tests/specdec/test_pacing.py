@@ -10,11 +10,11 @@ import torch
 
 from draftsmith.distill.drafts import KINDS
 from draftsmith.distill.drafts.kind import DraftSettings
-from draftsmith.specdec.decoder import speculative_generate, target_generate
+from draftsmith.specdec.decoder import remembered, speculative_generate, target_generate
 from draftsmith.specdec.drafters import LMDrafter
 from draftsmith.specdec.errors import DraftsmithError
 from draftsmith.specdec.options import DecodeOptions
-from draftsmith.specdec.pacing import Average, Pacer, PaceSettings, expected_tokens
+from draftsmith.specdec.pacing import CALIBRATED_AFTER, Average, PaceMemory, Pacer, PaceSettings, expected_tokens
 from draftsmith.specdec.proposal import draft_chain
 from draftsmith.specdec.sampling import SamplingParams
 from draftsmith.specdec.verify import TargetVerifier
@@ -510,3 +510,59 @@ def test_a_draft_that_does_not_pay_is_paused_to_within_three_percent_of_the_targ
     # draft, whose block forward costs one draft forward and so loses less a probe (0.97)
     assert stats.paused / stats.rounds > 0.95 and drafting <= 10, kind
     assert target_s / rounds_s >= 0.97, kind
+
+
+def test_a_pacer_starts_from_the_timings_and_calibration_earlier_calls_learned():
+    memory = PaceMemory()
+    first = Pacer(1, 1, PaceSettings(), memory=memory)
+    assert first.drafting_rate(0) is None  # nothing timed yet
+    # A draft sure of its tokens (0.6) whose tokens the target keeps a third as often (0.2).
+    for round_ in range(CALIBRATED_AFTER):
+        kept = int(round_ % 5 == 0)
+        first.record([0], torch.tensor([1]), torch.tensor([kept]), 0.13, 1.0, 2, torch.tensor([[0.6]]))
+    first.record([0], torch.tensor([0]), torch.tensor([0]), 0.02, 0.9, 1)  # a plain round
+    assert memory.judged == CALIBRATED_AFTER and memory.kept == 7
+    assert memory.calibration() == pytest.approx(7 / (0.6 * CALIBRATED_AFTER))
+    # The next call's pacer has the timings at once, and scales its sequences' confidence prior.
+    second = Pacer(1, 1, PaceSettings(), memory=memory)
+    assert second.draft_s.value == pytest.approx(0.13) and second.forward(1) == pytest.approx(0.9)
+    assert second.drafting_rate(0) is not None
+    second.record([0], torch.tensor([1]), torch.tensor([0]), 0.13, 1.0, 2, torch.tensor([[0.6]]))
+    calibrated = 0.6 * memory.calibration()
+    assert second.prior(0) == pytest.approx((6 * calibrated, 6 * (1 - calibrated)))
+    # Another batch size keeps its own timings (a wider batch's forward costs more).
+    assert Pacer(1, 4, PaceSettings(), memory=memory).draft_s.value is None
+    # Before CALIBRATED_AFTER judged tokens the confidence stands as it is.
+    young = PaceMemory()
+    young.record([0.6], 0)
+    assert young.calibration() == 1.0
+
+
+def test_later_calls_of_the_same_pair_draft_less_where_drafting_does_not_pay(target, monkeypatch):
+    # Short answers under a cost model where the draft does not pay (a draft forward half a target
+    # step, an untrained draft): each call alone spends its first rounds timing both kinds of round
+    # and learning that its draft's confidence overstates it; calls that remember spend that once.
+    torch.manual_seed(0)
+    draft = KINDS["lm"].build(DraftSettings(kind="lm", layers="1"), target, tiny_tokenizer(32), target.device).eval()
+    clock = CostClock(step=1.0, row=0.05, draft=0.5)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    monkeypatch.setattr(TargetVerifier, "verify", clock.verify(TargetVerifier.verify))
+    monkeypatch.setattr(LMDrafter, "propose", clock.propose(LMDrafter.propose))
+
+    def drafting_rounds(remember: bool) -> list[int]:
+        options = DecodeOptions(gamma=3, pace=True, guesses=False, pace_settings=PaceSettings(remember=remember))
+        rounds = []
+        for prompt in PROMPTS * 2:
+            out, stats = speculative_generate(target, draft, [prompt], 12, options)
+            assert out == target_generate(target, [prompt], 12)[0]
+            rounds.append(stats.rounds - stats.paused)
+        return rounds
+
+    alone = drafting_rounds(remember=False)
+    assert remembered(target, draft, DecodeOptions(gamma=3, pace=True)).timings == {}
+    together = drafting_rounds(remember=True)
+    # alone: every call drafts its first round at a loss; together: only the first call does
+    assert alone == [1] * 6 and together == [1, 0, 0, 0, 0, 0]
+    assert remembered(target, draft, DecodeOptions(gamma=3, pace=True)).timings[1].draft_s.value is not None
+    # Another gamma (other costs) starts from its own memory.
+    assert remembered(target, draft, DecodeOptions(gamma=2, pace=True)).timings == {}
