@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 from common import default_target, prompt_ids, save
+from kind_runs import decoding_draft
 
-from draftsmith.distill.drafts import load_draft
 from draftsmith.distill.drafts.lm import truncate_target
 from draftsmith.specdec import decoder
 from draftsmith.specdec.cache import SlotTracker
@@ -156,9 +156,10 @@ def instrumented(parts: Parts) -> Iterator[None]:
                 setattr(owner, name, original)
 
 
-def the_draft(spec: str | None, target):
-    """A trained draft folder, or the target's first two layers."""
-    return truncate_target(target, 2) if spec is None else load_draft(spec, target, target.device, target.dtype)
+def the_draft(spec: str | None, target, eos):
+    """A trained draft folder as eval decodes it (with its cut head where it has one), or the target's
+    first two layers."""
+    return truncate_target(target, 2) if spec is None else decoding_draft(Path(spec), target, eos)
 
 
 def variant_options(name: str, gamma: int) -> DecodeOptions:
@@ -280,7 +281,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--gamma", type=int, default=1)
-    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: float32)")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: auto, as eval decodes)")
     parser.add_argument("--variants", default="eager,compiled,paced", help="comma-separated: eager, compiled, paced")
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
     parser.add_argument("--name", default="round_gap", help="results/NAME.json (default: round_gap)")
@@ -290,7 +291,7 @@ def main() -> None:
     torch.manual_seed(0)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     target, tokenizer, eos = default_target(dtype=dtype)
-    draft = the_draft(args.draft, target).eval()
+    draft = the_draft(args.draft, target, eos).eval()
     prompts = prompt_ids(tokenizer, args.prompts)
     print(f"{describe()}; {str(dtype).removeprefix('torch.')}; gamma {args.gamma}; {len(prompts)} prompts")
     tallies, parts, warm = run_all(target, draft, prompts, eos, args)
