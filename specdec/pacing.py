@@ -101,7 +101,8 @@ class PaceSettings:
     so that a lucky first guess or two on a short answer do not pause a draft for guesses that seldom pay.
     remember: a call's pacer starts from what the pacers of earlier calls with the same draft and
     target learned (``PaceMemory``): the round timings, and how often the target kept the tokens the
-    draft was sure of. False: every call starts knowing nothing.
+    draft was sure of. Off by default: a call that remembers a draft that does not pay may never
+    draft, and a measurement (eval's c, eval-run) needs drafting rounds in every call it times.
 
     The defaults were chosen by replaying the pacer over greedy agreement traces of a trained draft on
     held-out prompts and over synthetic ones of fixed acceptance (``benchmarks/pacing.py``): the
@@ -120,7 +121,7 @@ class PaceSettings:
     probe_max: int = 32
     probe_budget: float = 0.02
     guess_misses: float = 1.0
-    remember: bool = True
+    remember: bool = False
 
     def __post_init__(self) -> None:
         problems = []

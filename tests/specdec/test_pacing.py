@@ -558,8 +558,9 @@ def test_later_calls_of_the_same_pair_draft_less_where_drafting_does_not_pay(tar
             rounds.append(stats.rounds - stats.paused)
         return rounds
 
-    alone = drafting_rounds(remember=False)
+    alone = drafting_rounds(remember=False)  # the default
     assert remembered(target, draft, DecodeOptions(gamma=3, pace=True)).timings == {}
+    assert not PaceSettings().remember
     together = drafting_rounds(remember=True)
     # alone: every call drafts its first round at a loss; together: only the first call does
     assert alone == [1] * 6 and together == [1, 0, 0, 0, 0, 0]
