@@ -179,7 +179,8 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line of this benchmark."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", default="5,15,45", help="training minutes of the snapshots (comma-separated)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="registered kinds to train (default: all)")
@@ -212,6 +213,11 @@ def main() -> None:
         action="store_true",
         help="print the results file (or --smoke's) as a markdown table and draw its plot again; run nothing",
     )
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
     name = args.name or ("kind_curves_smoke" if args.smoke else "kind_curves")
     if args.table:
